@@ -1,0 +1,192 @@
+//! The quantized product y[T, N] = x[T, K] . W^T for W in any type with a CPU dot product.
+
+use crate::pool::ThreadPool;
+use freetoken_ggml::{Error, GgmlType, Result, VecDot};
+
+/// A shared output pointer: tasks write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of indices, and `run` joins before the borrow ends.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// Weight rows per task: enough tasks to balance the threads, rows enough to amortize a task.
+fn rows_per_task(n: usize, threads: usize) -> usize {
+    n.div_ceil(threads * 4).clamp(1, 64)
+}
+
+/// A borrowed quantized weight matrix of `n` rows by `k` columns.
+#[derive(Clone, Copy)]
+pub struct QuantWeight<'a> {
+    data: &'a [u8],
+    n: usize,
+    kernel: VecDot,
+}
+
+impl<'a> QuantWeight<'a> {
+    /// Checks that `data` holds exactly `n` rows of `k` elements of `t` and that `t` has a dot
+    /// product.
+    pub fn new(data: &'a [u8], t: GgmlType, n: usize, k: usize) -> Result<QuantWeight<'a>> {
+        let kernel = VecDot::new(t, k)?;
+        let want = t.matrix_size(n, k)?;
+        if data.len() != want {
+            return Err(Error::Shape(format!(
+                "{n} x {k} {t} weights need {want} bytes, got {}",
+                data.len()
+            )));
+        }
+        Ok(QuantWeight { data, n, kernel })
+    }
+
+    /// Rows (output features).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Columns (input features).
+    pub fn k(&self) -> usize {
+        self.kernel.k()
+    }
+
+    /// The dot-product kernel of this weight.
+    pub fn kernel(&self) -> &VecDot {
+        &self.kernel
+    }
+
+    /// Row `r`'s bytes.
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let b = self.kernel.weight_row_bytes();
+        &self.data[r * b..(r + 1) * b]
+    }
+
+    /// y[T, N] = x[T, K] . W^T. Each activation row is quantized once; the rows of W are
+    /// split across the pool, each row read once for all T tokens.
+    pub fn matmul(&self, pool: &ThreadPool, x: &[f32], y: &mut [f32]) -> Result<()> {
+        let k = self.k();
+        if x.len() % k != 0 {
+            return Err(Error::Shape(format!(
+                "input of {} values is not a whole number of rows of {k}",
+                x.len()
+            )));
+        }
+        let t = x.len() / k;
+        if y.len() != t * self.n {
+            return Err(Error::Shape(format!(
+                "output has {} values, expected {t} x {}",
+                y.len(),
+                self.n
+            )));
+        }
+        let acts = quantize_rows(pool, &self.kernel, x)?;
+        self.matmul_quantized(pool, &acts, y)
+    }
+
+    /// As [`matmul`](Self::matmul) on activations already quantized by [`quantize_rows`] with
+    /// this weight's kernel (so several weights of one vec_dot type share one quantization).
+    pub fn matmul_quantized(&self, pool: &ThreadPool, acts: &[u8], y: &mut [f32]) -> Result<()> {
+        let ab = self.kernel.act_row_bytes();
+        if acts.len() % ab != 0 || y.len() != acts.len() / ab * self.n {
+            return Err(Error::Shape(format!(
+                "{} activation bytes and {} outputs do not fit {} rows",
+                acts.len(),
+                y.len(),
+                self.n
+            )));
+        }
+        let n = self.n;
+        let per = rows_per_task(n, pool.n_threads());
+        let out = OutPtr(y.as_mut_ptr());
+        pool.run(n.div_ceil(per), &|task| {
+            let out = out;
+            for r in task * per..((task + 1) * per).min(n) {
+                let w = self.row(r);
+                for (tok, a) in acts.chunks_exact(ab).enumerate() {
+                    let v = self.kernel.dot(w, a).expect("row sizes checked above");
+                    // SAFETY: tok < T and r < n, so the index is inside y (T * n values), and
+                    // row r belongs to this task alone.
+                    unsafe { *out.0.add(tok * n + r) = v };
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Quantizes each row of `x` (a whole number of rows of `kernel.k()`) to the kernel's
+/// activation type, rows in parallel.
+pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Vec<u8>> {
+    let k = kernel.k();
+    if x.len() % k != 0 {
+        return Err(Error::Shape(format!(
+            "input of {} values is not a whole number of rows of {k}",
+            x.len()
+        )));
+    }
+    let t = x.len() / k;
+    let ab = kernel.act_row_bytes();
+    let mut acts = vec![0u8; t * ab];
+    let out = OutPtr(acts.as_mut_ptr().cast());
+    pool.run(t, &|tok| {
+        let out = out;
+        // SAFETY: row tok of acts is [tok * ab, (tok + 1) * ab), inside the buffer and written
+        // by this task alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.0.cast::<u8>().add(tok * ab), ab) };
+        kernel
+            .quantize_act(&x[tok * k..(tok + 1) * k], dst)
+            .expect("row sizes checked above");
+    });
+    Ok(acts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(w: &[f32], x: &[f32], n: usize, k: usize) -> Vec<f64> {
+        let t = x.len() / k;
+        let mut y = vec![0f64; t * n];
+        for tok in 0..t {
+            for r in 0..n {
+                y[tok * n + r] = (0..k)
+                    .map(|i| w[r * k + i] as f64 * x[tok * k + i] as f64)
+                    .sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn q8_0_matches_float64_product_of_dequantized_weights() {
+        let (n, k, t) = (37, 256, 5);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919) % 113) as f32 / 56.0 - 1.0)
+            .collect();
+        let x: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 104729) % 97) as f32 / 48.0 - 1.0)
+            .collect();
+        let q = freetoken_ggml::quantize(GgmlType::Q8_0, &w, k, None).unwrap();
+        let mut wd = vec![0f32; n * k];
+        freetoken_ggml::dequantize(GgmlType::Q8_0, &q, &mut wd).unwrap();
+        let pool = ThreadPool::new(3);
+        let mut y = vec![0f32; t * n];
+        QuantWeight::new(&q, GgmlType::Q8_0, n, k)
+            .unwrap()
+            .matmul(&pool, &x, &mut y)
+            .unwrap();
+        let r = reference(&wd, &x, n, k);
+        let err: f64 = y.iter().zip(&r).map(|(a, b)| (*a as f64 - b).powi(2)).sum();
+        let norm: f64 = r.iter().map(|b| b * b).sum();
+        assert!((err / norm).sqrt() < 1e-2);
+    }
+
+    #[test]
+    fn wrong_sizes_are_errors() {
+        let q = vec![0u8; 34];
+        assert!(QuantWeight::new(&q, GgmlType::Q8_0, 2, 32).is_err());
+        assert!(QuantWeight::new(&q, GgmlType::Q8_0, 1, 33).is_err());
+        let w = QuantWeight::new(&q, GgmlType::Q8_0, 1, 32).unwrap();
+        let pool = ThreadPool::new(1);
+        assert!(w.matmul(&pool, &[0.0; 31], &mut [0.0; 1]).is_err());
+        assert!(w.matmul(&pool, &[0.0; 32], &mut [0.0; 2]).is_err());
+    }
+}

@@ -1,0 +1,214 @@
+//! A persistent thread pool: workers are created once and parked between jobs, so a
+//! decode step pays a wake-up, not a thread spawn, per parallel region.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// A borrowed task body whose lifetime `run` erases: `run` does not return before every
+/// worker has finished with it.
+#[derive(Clone, Copy)]
+struct Job(*const (dyn Fn(usize) + Sync + 'static));
+
+// SAFETY: the pointee is Sync and outlives every use (see `ThreadPool::run`).
+unsafe impl Send for Job {}
+
+struct State {
+    generation: u64,
+    job: Option<Job>,
+    n_tasks: usize,
+    busy: usize,
+    shutdown: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    done: Condvar,
+    next: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+/// Workers that run `f(0..n_tasks)` together with the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    submit: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool of `n_threads` in all (the caller counts as one; `n_threads - 1` workers).
+    pub fn new(n_threads: usize) -> ThreadPool {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                generation: 0,
+                job: None,
+                n_tasks: 0,
+                busy: 0,
+                shutdown: false,
+            }),
+            wake: Condvar::new(),
+            done: Condvar::new(),
+            next: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+        });
+        let workers = (1..n_threads.max(1))
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("ft-cpu-{i}"))
+                    .spawn(move || worker(&shared))
+                    .expect("spawn a thread-pool worker")
+            })
+            .collect();
+        ThreadPool {
+            shared,
+            workers,
+            submit: Mutex::new(()),
+        }
+    }
+
+    /// Threads that take part in a job, the caller included.
+    pub fn n_threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Calls `f(i)` for every `i` in `0..n_tasks`, spread over the workers and the caller;
+    /// returns when all calls have returned. A panic in `f` is re-raised here.
+    pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n_tasks == 0 {
+            return;
+        }
+        if self.workers.is_empty() || n_tasks == 1 {
+            (0..n_tasks).for_each(f);
+            return;
+        }
+        let _exclusive = self.submit.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the lifetime is erased only for the duration of this call: we wait below
+        // until `busy` is zero, after which no worker touches the job again.
+        let job = Job(unsafe {
+            std::mem::transmute::<
+                *const (dyn Fn(usize) + Sync + '_),
+                *const (dyn Fn(usize) + Sync + 'static),
+            >(f)
+        });
+        let shared = &*self.shared;
+        shared.next.store(0, Ordering::Relaxed);
+        shared.panicked.store(false, Ordering::Relaxed);
+        {
+            let mut st = shared.state.lock().unwrap();
+            st.job = Some(job);
+            st.n_tasks = n_tasks;
+            st.busy = self.workers.len();
+            st.generation += 1;
+        }
+        shared.wake.notify_all();
+        drain(shared, job, n_tasks);
+        let mut st = shared.state.lock().unwrap();
+        while st.busy > 0 {
+            st = shared.done.wait(st).unwrap();
+        }
+        st.job = None;
+        drop(st);
+        if shared.panicked.load(Ordering::Relaxed) {
+            panic!("a thread-pool task panicked");
+        }
+    }
+}
+
+/// Takes task indices until none are left.
+fn drain(shared: &Shared, job: Job, n_tasks: usize) {
+    // SAFETY: `run` keeps the job alive until every worker has left this function.
+    let f = unsafe { &*job.0 };
+    loop {
+        let i = shared.next.fetch_add(1, Ordering::Relaxed);
+        if i >= n_tasks {
+            break;
+        }
+        if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+            shared.panicked.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+fn worker(shared: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        let (job, n_tasks) = {
+            let mut st = shared.state.lock().unwrap();
+            while st.generation == seen && !st.shutdown {
+                st = shared.wake.wait(st).unwrap();
+            }
+            if st.shutdown {
+                return;
+            }
+            seen = st.generation;
+            (
+                st.job.expect("a job is set with each generation"),
+                st.n_tasks,
+            )
+        };
+        drain(shared, job, n_tasks);
+        let mut st = shared.state.lock().unwrap();
+        st.busy -= 1;
+        if st.busy == 0 {
+            shared.done.notify_one();
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.state.lock().unwrap().shutdown = true;
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_every_task_once() {
+        let pool = ThreadPool::new(4);
+        for n in [1, 3, 4, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn workers_persist_across_jobs() {
+        let pool = ThreadPool::new(3);
+        let ids = Mutex::new(std::collections::HashSet::new());
+        for _ in 0..50 {
+            pool.run(64, &|_| {
+                ids.lock().unwrap().insert(std::thread::current().id());
+            });
+        }
+        // Only the caller and the two workers ever ran tasks: nothing was spawned per job.
+        assert!(ids.lock().unwrap().len() <= 3);
+    }
+
+    #[test]
+    fn task_panic_is_reraised() {
+        let pool = ThreadPool::new(2);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(8, &|i| assert_ne!(i, 5));
+        }));
+        assert!(r.is_err());
+        // The pool still works afterwards.
+        let n = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 8);
+    }
+}

@@ -1,0 +1,22 @@
+//! freetoken._core: thin pyo3 glue over the core crates. Arrays cross as (address, length)
+//! pairs checked by the Python layer; the GIL is released around all compute.
+
+mod errors;
+mod memory;
+mod quant;
+mod threads;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
+    Ok(())
+}
