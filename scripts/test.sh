@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test command (README): installs what the tests need into .venv, builds the extension,
+# then runs the lints, cargo test and pytest. Downloads are cached under ~/.cache/freetoken.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export FREETOKEN_CACHE="${FREETOKEN_CACHE:-$HOME/.cache/freetoken}"
+export PIP_CACHE_DIR="$FREETOKEN_CACHE/pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if ! command -v cmake >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq cmake >/dev/null
+    else
+        echo "cmake is required (apt-get install cmake)" >&2
+        exit 2
+    fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q -r requirements-dev.txt
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+maturin develop --release -q
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -q -- -D warnings
+ruff check python tests benches scripts tools
+ruff format --check python tests benches scripts tools
+
+cargo test --workspace -q
+pytest -q
