@@ -2,6 +2,7 @@
 //! pairs checked by the Python layer; the GIL is released around all compute.
 
 mod errors;
+mod gguf;
 mod memory;
 mod quant;
 mod threads;
@@ -11,6 +12,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<gguf::PyGgufFile>()?;
     m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;

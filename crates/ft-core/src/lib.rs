@@ -1,0 +1,6 @@
+//! ft-core: no Python, no CUDA. The GGUF file, parsed and mapped once, with every offset
+//! and size checked against the file before use.
+
+pub mod gguf;
+
+pub use freetoken_ggml::{Error, GgmlType, Result};
