@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from freetoken import errors, quant
 from freetoken._core import __version__
 
-__all__ = ["__version__", "errors", "quant"]
+if TYPE_CHECKING:
+    from freetoken.llm import LLM
+
+__all__ = ["LLM", "__version__", "errors", "quant"]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch: import it only when asked for.
+    if name == "LLM":
+        from freetoken.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'freetoken' has no attribute {name!r}")

@@ -49,6 +49,11 @@ class GGUFFile:
         }
 
     @property
+    def paths(self) -> list[str]:
+        """The model's files: one, or every part of a split model."""
+        return list(self._file.paths)
+
+    @property
     def version(self) -> int:
         """The GGUF format version."""
         return self._file.version

@@ -1,0 +1,249 @@
+"""``freetoken.LLM``: load a GGUF model and generate text; the engine the CLI and the server
+drive."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+import torch
+
+from freetoken import _core
+from freetoken.default_model import default_model_path
+from freetoken.engine.sampler import Sampler, SamplingParams
+from freetoken.errors import InvalidInputError
+from freetoken.gguf import GGUFFile
+from freetoken.models import load_model
+from freetoken.progress import ProgressBar
+from freetoken.tokenizer import Tokenizer
+
+__all__ = ["LLM", "GenerationStats"]
+
+#: Tokens evaluated per forward pass while reading a prompt.
+PROMPT_CHUNK = 512
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall time of the last generation."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        """Prompt tokens evaluated per second."""
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        """Tokens generated per second (after the first)."""
+        return self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+
+class _StopFilter:
+    """Holds back text that may be the start of a stop string; reports when one appears."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                self.stopped = True
+                out, self.pending = self.pending[:i], ""
+                return out
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class LLM:
+    """A loaded model with its tokenizer and one KV cache.
+
+    ``model`` is a GGUF path, or None for the embedded default model. The engine keeps the
+    tokens of the last request, so a following request that shares a prefix (a chat turn)
+    evaluates only what is new.
+    """
+
+    def __init__(
+        self,
+        model: str | PathLike[str] | None = None,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        verbose: bool = False,
+        progress: bool = False,
+    ) -> None:
+        path = default_model_path() if model is None else model
+        if n_threads is not None:
+            if n_threads < 1:
+                raise InvalidInputError(f"n_threads must be at least 1, got {n_threads}")
+            _core.set_num_threads(n_threads)
+        # The Rust pool runs the heavy products; torch's own threads would only contend.
+        torch.set_num_threads(1)
+        self.verbose = verbose
+        self.path = os.fspath(path)
+        self.gguf = GGUFFile(self.path)
+        bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
+        self.model = load_model(self.gguf, bar)
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
+        if n_ctx <= 0:
+            n_ctx = self.model.cfg.context_length
+        self.n_ctx = n_ctx
+        self._cache = self.model.new_cache(n_ctx)
+        self._tokens: list[int] = []
+        self._lock = threading.Lock()
+        self.last_stats = GenerationStats()
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output projection."""
+        return self.model.cfg.vocab_size
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (BOS added per the model when ``add_special``)."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``."""
+        return self.tokenizer.decode(list(tokens))
+
+    def logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits ``[len(tokens), vocab]`` from an empty context."""
+        tokens = list(tokens)
+        cache = self.model.new_cache(max(len(tokens), 1))
+        parts = [
+            self.model.forward(tokens[i : i + PROMPT_CHUNK], cache, all_logits=True)
+            for i in range(0, len(tokens), PROMPT_CHUNK)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, self.vocab_size)
+
+    def _evaluate(self, tokens: list[int]) -> torch.Tensor:
+        """Logits after ``tokens``, reusing the cached prefix shared with the last request."""
+        if not tokens:
+            raise InvalidInputError("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            raise InvalidInputError(
+                f"the prompt has {len(tokens)} tokens, the context size is {self.n_ctx}"
+            )
+        common = 0
+        for a, b in zip(self._tokens, tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # the last token must run to give logits
+        self._cache.truncate(common)
+        self._tokens = tokens[:common]
+        logits = torch.empty(0)
+        for i in range(common, len(tokens), PROMPT_CHUNK):
+            chunk = tokens[i : i + PROMPT_CHUNK]
+            logits = self.model.forward(chunk, self._cache)
+            self._tokens += chunk
+        return logits
+
+    def stream_tokens(
+        self, prompt_tokens: list[int], max_tokens: int, params: SamplingParams
+    ) -> Iterator[int]:
+        """Yields sampled token ids after ``prompt_tokens`` until an end-of-generation token,
+        ``max_tokens``, or the context end. Stats go to ``last_stats``."""
+        if max_tokens < 0:
+            raise InvalidInputError(f"max_tokens must be non-negative, got {max_tokens}")
+        with self._lock:
+            stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
+            t0 = time.perf_counter()
+            logits = self._evaluate(prompt_tokens)
+            stats.prompt_seconds = time.perf_counter() - t0
+            sampler = Sampler(params, self.vocab_size)
+            history = list(prompt_tokens)
+            t1 = time.perf_counter()
+            for n in range(max_tokens):
+                tok = sampler.sample(logits, history)
+                if tok in self.tokenizer.eog_ids:
+                    break
+                history.append(tok)
+                yield tok
+                if n + 1 == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
+                    break
+                logits = self.model.forward([tok], self._cache)
+                self._tokens.append(tok)
+                stats.generated_tokens = n + 1
+                stats.generation_seconds = time.perf_counter() - t1
+            stats.generated_tokens = len(history) - len(prompt_tokens)
+            stats.generation_seconds = time.perf_counter() - t1
+
+    def _stream_text(
+        self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]
+    ) -> Iterator[str]:
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stops = _StopFilter(stop)
+        for tok in self.stream_tokens(tokens, max_tokens, params):
+            text = stops.feed(utf8.decode(self.tokenizer.token_to_piece(tok)))
+            if text:
+                yield text
+            if stops.stopped:
+                return
+        tail = stops.feed(utf8.decode(b"", final=True))
+        tail += "" if stops.stopped else stops.flush()
+        if tail:
+            yield tail
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        stream: bool = False,
+        stop: Sequence[str] = (),
+        add_special: bool = True,
+        **sampling: Any,
+    ) -> str | Iterator[str]:
+        """Continues ``prompt`` (text, or token ids). ``sampling`` takes the fields of
+        :class:`SamplingParams` (temperature, top_k, top_p, min_p, repeat_penalty, ...,
+        seed). With ``stream=True`` returns an iterator of text pieces."""
+        params = SamplingParams(**sampling)
+        tokens = (
+            self.tokenize(prompt, add_special=add_special)
+            if isinstance(prompt, str)
+            else [int(t) for t in prompt]
+        )
+        pieces = self._stream_text(tokens, max_tokens, params, stop)
+        return pieces if stream else "".join(pieces)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        max_tokens: int = 512,
+        stream: bool = False,
+        stop: Sequence[str] = (),
+        **sampling: Any,
+    ) -> str | Iterator[str]:
+        """Answers a conversation (``[{"role": ..., "content": ...}]``) rendered with the
+        model's chat template; same options as :meth:`generate`."""
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        # The template writes BOS itself; do not add another.
+        tokens = self.tokenize(text, add_special=False)
+        return self.generate(tokens, max_tokens=max_tokens, stream=stream, stop=stop, **sampling)

@@ -1,0 +1,38 @@
+"""Model families, one file each; ``load_model`` picks one by ``general.architecture``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+from freetoken.errors import UnsupportedError
+from freetoken.gguf import GGUFFile
+from freetoken.models import gemma3, llama, qwen2, qwen3
+from freetoken.models.config import ModelConfig
+from freetoken.models.transformer import Transformer
+
+__all__ = ["FAMILIES", "ModelConfig", "Transformer", "load_model"]
+
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "gemma3": gemma3,
+}
+
+
+def load_model(gguf: GGUFFile, progress: Callable[[int, int], None] | None = None) -> Transformer:
+    """The model of ``gguf``'s architecture; UnsupportedError for an unknown one."""
+    arch = gguf.architecture
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise UnsupportedError(
+            f"{gguf.path}: architecture `{arch}` is not supported "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if isinstance(tokens, list) else gguf.info("token_embd.weight").shape[0]
+    feat = family.FEATURES
+    cfg = ModelConfig.from_metadata(gguf.metadata, vocab, feat.swa_pattern)
+    scale = family.attn_scale(cfg) if hasattr(family, "attn_scale") else None
+    return Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress)
