@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine.kv_cache import KVCache
+from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import (
@@ -104,29 +105,51 @@ class Transformer:
         c = self.cfg
         return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, c.head_dim_v)
 
-    @torch.inference_mode()
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Runs ``tokens`` after the cache's positions; returns float32 logits for the last
         token ``[vocab]``, or for every token ``[T, vocab]`` with ``all_logits``."""
+        return self.forward_batch([(tokens, cache)], all_logits)[0]
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
+    ) -> list[torch.Tensor]:
+        """Runs several sequences in one pass (continuous batching): the weight products see
+        all their rows together, attention runs per sequence on its own cache. Returns each
+        sequence's logits as :meth:`forward` does."""
         cfg = self.cfg
-        start = cache.reserve(len(tokens))
-        pos = torch.arange(start, start + len(tokens))
-        x = self.embed(tokens)
+        spans = []
+        for tokens, cache in seqs:
+            if not tokens:
+                raise InvalidInputError("a sequence in the batch has no tokens")
+            spans.append((cache.reserve(len(tokens)), len(tokens), cache))
+        flat = [t for tokens, _ in seqs for t in tokens]
+        pos = torch.cat([torch.arange(start, start + n) for start, n, _ in spans])
+        x = self.embed(flat)
         if self.feat.embed_scale:
             x = x * math.sqrt(cfg.hidden)
         for i, blk in enumerate(self.blocks):
-            x = self._layer(i, blk, x, pos, start, cache)
-        cache.commit(len(tokens))
+            x = self._layer(i, blk, x, pos, spans)
+        for _, n, cache in spans:
+            cache.commit(n)
         if not all_logits:
-            x = x[-1:]
+            ends = torch.tensor([0] + [n for _, n, _ in spans]).cumsum(0)[1:] - 1
+            x = x[ends]
         logits = self.output(rms_norm(x, self.output_norm, cfg.norm_eps))
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits if all_logits else logits[0]
+        if not all_logits:
+            return list(logits.unbind(0))
+        return list(logits.split([n for _, n, _ in spans]))
 
     def _layer(
-        self, i: int, blk: Block, x: torch.Tensor, pos: torch.Tensor, start: int, cache: KVCache
+        self,
+        i: int,
+        blk: Block,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        spans: list[tuple[int, int, KVCache]],
     ) -> torch.Tensor:
         cfg, feat = self.cfg, self.feat
         t = x.shape[0]
@@ -141,9 +164,13 @@ class Transformer:
         scale = 1.0 if blk.swa else cfg.rope_scale
         q = apply_rope(q, pos, base, cfg.rope_dim, scale, feat.rope_neox, self.rope_factors)
         k = apply_rope(k, pos, base, cfg.rope_dim, scale, feat.rope_neox, self.rope_factors)
-        k_all, v_all = cache.store(i, start, k, v)
         window = cfg.sliding_window if blk.swa else 0
-        a = blk.wo(attention(q, k_all, v_all, start, self.attn_scale, window))
+        outs, row = [], 0
+        for start, n, cache in spans:
+            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
+            outs.append(attention(q[row : row + n], k_all, v_all, start, self.attn_scale, window))
+            row += n
+        a = blk.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
         if blk.post_attn_norm is not None:
             a = rms_norm(a, blk.post_attn_norm, cfg.norm_eps)
         x = x + a
