@@ -12,6 +12,7 @@ __all__ = [
     "GGUFError",
     "InvalidInputError",
     "OutOfMemoryError",
+    "RequestError",
     "ShapeError",
     "UnsupportedError",
 ]
@@ -43,3 +44,29 @@ class OutOfMemoryError(FreeTokenError, MemoryError):
 
 class FileAccessError(FreeTokenError, OSError):
     """A file could not be opened, mapped or read."""
+
+
+class RequestError(FreeTokenError):
+    """A server request that cannot be served, answered as an OpenAI-shaped error.
+
+    ``status`` is the HTTP status (4xx for the client's mistakes), ``param`` the offending
+    request field if one is to blame, ``code`` a short machine-readable reason, and
+    ``err_type`` the OpenAI error type (``invalid_request_error``, ``authentication_error``,
+    ``not_found_error``, ``server_error``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        err_type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.err_type = err_type

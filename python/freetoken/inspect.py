@@ -24,7 +24,7 @@ def _value(v: Any) -> str:
 
 def _ranges(layers: list[int]) -> str:
     out, start = [], layers[0]
-    for a, b in zip(layers, layers[1:] + [None]):
+    for a, b in zip(layers, [*layers[1:], None], strict=True):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
@@ -44,10 +44,10 @@ def describe(path: str, full: bool = False) -> str:
         total += t.nbytes
         m = _LAYER.match(t.name)
         if m is None or full:
-            lines.append(f"  {t.name:40s} {str(t.shape):22s} {t.type_name}")
+            lines.append(f"  {t.name:40s} {t.shape!s:22s} {t.type_name}")
             continue
         groups.setdefault((m.group(2), t.shape, t.type_name), []).append(int(m.group(1)))
     for (name, shape, tname), layers in groups.items():
-        lines.append(f"  blk.[{_ranges(layers)}].{name:28s} {str(shape):22s} {tname}")
+        lines.append(f"  blk.[{_ranges(layers)}].{name:28s} {shape!s:22s} {tname}")
     lines.append(f"total tensor bytes: {total} ({total / 2**20:.1f} MiB)")
     return "\n".join(lines) + "\n"

@@ -123,7 +123,9 @@ class LLM:
         """Rows of the output projection."""
         return self.model.cfg.vocab_size
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Token ids of ``text`` (BOS added per the model when ``add_special``)."""
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
@@ -150,7 +152,7 @@ class LLM:
                 f"the prompt has {len(tokens)} tokens, the context size is {self.n_ctx}"
             )
         common = 0
-        for a, b in zip(self._tokens, tokens):
+        for a, b in zip(self._tokens, tokens, strict=False):
             if a != b:
                 break
             common += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["QType", "QuantMatrix", "TypeInfo", "dequantize", "quantize", "type_info"]
 
-QType = Union[int, str]
+QType = int | str
 """A type id, a type name, or a ``gguf.GGMLQuantizationType`` (an ``int``)."""
 
 
@@ -57,7 +57,7 @@ def qtype_id(qtype: QType) -> int:
     raise InvalidInputError(f"qtype must be a type name or id, not {type(qtype).__name__}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _info(type_id: int) -> TypeInfo:
     return TypeInfo(type_id, *_core.type_info(type_id))
 

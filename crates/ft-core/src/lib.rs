@@ -1,6 +1,8 @@
 //! ft-core: no Python, no CUDA. The GGUF file, parsed and mapped once, with every offset
 //! and size checked against the file before use.
 
+pub mod counters;
+pub mod experts;
 pub mod gguf;
 
 pub use freetoken_ggml::{Error, GgmlType, Result};

@@ -1,8 +1,12 @@
-//! ft-cpu: the CPU executor. A persistent thread pool and the quantized product over
-//! ggml-cpu's row kernels.
+//! ft-cpu: the CPU executor. A persistent thread pool, the quantized product over
+//! ggml-cpu's row kernels, and the expert executor with its background submit / wait.
 
+mod background;
 mod matmul;
+mod moe;
 mod pool;
 
+pub use background::{Background, Ticket};
 pub use matmul::{quantize_rows, QuantWeight};
+pub use moe::{moe_forward, Activation, ExpertMats, MoeStats, MoeWeights};
 pub use pool::ThreadPool;

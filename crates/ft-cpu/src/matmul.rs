@@ -5,7 +5,7 @@ use freetoken_ggml::{Error, GgmlType, Result, VecDot};
 
 /// A shared output pointer: tasks write disjoint elements.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every task writes a disjoint set of indices, and `run` joins before the borrow ends.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}

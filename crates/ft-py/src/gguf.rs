@@ -6,10 +6,11 @@ use ft_core::gguf::{GgufFile, Value};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
+use std::sync::Arc;
 
 #[pyclass(frozen, name = "GGUFFile")]
 pub struct PyGgufFile {
-    inner: GgufFile,
+    pub(crate) inner: Arc<GgufFile>,
 }
 
 fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
@@ -35,7 +36,9 @@ impl PyGgufFile {
     #[new]
     fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
         let inner = py.detach(|| GgufFile::open(&path)).py_err()?;
-        Ok(PyGgufFile { inner })
+        Ok(PyGgufFile {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]

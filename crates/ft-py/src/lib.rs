@@ -4,6 +4,7 @@
 mod errors;
 mod gguf;
 mod memory;
+mod moe;
 mod quant;
 mod threads;
 
@@ -13,6 +14,10 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<gguf::PyGgufFile>()?;
+    m.add_class::<moe::PyMoeCounters>()?;
+    m.add_class::<moe::PyMoeLayer>()?;
+    m.add_class::<moe::PyMoeExecutor>()?;
+    m.add_class::<moe::PyMoeTicket>()?;
     m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;

@@ -49,6 +49,11 @@ class GGUFFile:
         }
 
     @property
+    def handle(self) -> _core.GGUFFile:
+        """The Rust-side file, for engine objects that view its tensors (MoE layers)."""
+        return self._file
+
+    @property
     def paths(self) -> list[str]:
         """The model's files: one, or every part of a split model."""
         return list(self._file.paths)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
+from freetoken import _core
+from freetoken.engine.moe import MoeContext, default_executor
 from freetoken.errors import UnsupportedError
 from freetoken.gguf import GGUFFile
-from freetoken.models import gemma3, llama, qwen2, qwen3
+from freetoken.models import gemma3, llama, qwen2, qwen3, qwen3moe
 from freetoken.models.config import ModelConfig
 from freetoken.models.transformer import Transformer
 
@@ -18,11 +20,17 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gemma3": gemma3,
+    "qwen3moe": qwen3moe,
 }
 
 
-def load_model(gguf: GGUFFile, progress: Callable[[int, int], None] | None = None) -> Transformer:
-    """The model of ``gguf``'s architecture; UnsupportedError for an unknown one."""
+def load_model(
+    gguf: GGUFFile,
+    progress: Callable[[int, int], None] | None = None,
+    moe_threads: int | None = None,
+) -> Transformer:
+    """The model of ``gguf``'s architecture; UnsupportedError for an unknown one.
+    ``moe_threads`` sizes the CPU expert executor of MoE models."""
     arch = gguf.architecture
     family = FAMILIES.get(arch)
     if family is None:
@@ -35,4 +43,11 @@ def load_model(gguf: GGUFFile, progress: Callable[[int, int], None] | None = Non
     feat = family.FEATURES
     cfg = ModelConfig.from_metadata(gguf.metadata, vocab, feat.swa_pattern)
     scale = family.attn_scale(cfg) if hasattr(family, "attn_scale") else None
-    return Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress)
+    make_ffn = None
+    moe = None
+    if hasattr(family, "ffn_factory"):
+        moe = MoeContext(default_executor(moe_threads), _core.MoeCounters(cfg.n_layers))
+        make_ffn = family.ffn_factory(moe)
+    model = Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
+    model.moe = moe
+    return model

@@ -46,6 +46,16 @@ class ModelConfig:
     swa_layers: tuple[bool, ...]
     rope_base_swa: float
     final_logit_softcap: float
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    expert_shared_ffn: int = 0
+    leading_dense: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
+    expert_gating_func: int = 0
+    expert_groups: int = 1
+    expert_groups_used: int = 1
 
     @classmethod
     def from_metadata(
@@ -77,7 +87,7 @@ class ModelConfig:
             arch=arch,
             n_layers=n_layers,
             hidden=hidden,
-            ffn=key("feed_forward_length", int),
+            ffn=key("feed_forward_length", int, 0),
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
             head_dim=head_dim,
@@ -92,6 +102,16 @@ class ModelConfig:
             swa_layers=swa,
             rope_base_swa=key("rope.freq_base_swa", float, 10000.0),
             final_logit_softcap=key("final_logit_softcapping", float, 0.0),
+            n_experts=key("expert_count", int, 0),
+            n_experts_used=key("expert_used_count", int, 0),
+            expert_ffn=key("expert_feed_forward_length", int, 0),
+            expert_shared_ffn=key("expert_shared_feed_forward_length", int, 0),
+            leading_dense=key("leading_dense_block_count", int, 0),
+            expert_weights_norm=key("expert_weights_norm", bool, False),
+            expert_weights_scale=key("expert_weights_scale", float, 1.0),
+            expert_gating_func=key("expert_gating_func", int, 0),
+            expert_groups=key("expert_group_count", int, 1),
+            expert_groups_used=key("expert_group_used_count", int, 1),
         )
 
     @staticmethod

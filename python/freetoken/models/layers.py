@@ -55,8 +55,12 @@ class Embedding:
         out = np.empty((len(tokens), self.hidden), dtype=np.float32)
         for i, t in enumerate(tokens):
             if not 0 <= t < self.vocab:
-                raise InvalidInputError(f"token id {t} is outside the vocabulary (0..{self.vocab - 1})")
-            out[i] = dequantize(self.raw[t * self.row : (t + 1) * self.row], self.qtype, (self.hidden,))
+                raise InvalidInputError(
+                    f"token id {t} is outside the vocabulary (0..{self.vocab - 1})"
+                )
+            out[i] = dequantize(
+                self.raw[t * self.row : (t + 1) * self.row], self.qtype, (self.hidden,)
+            )
         return torch.from_numpy(out)
 
 

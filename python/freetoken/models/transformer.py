@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.moe import MoeContext
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
@@ -45,10 +46,39 @@ class Features:
     swa_pattern: int = 0
 
 
+FFN = Callable[[torch.Tensor], torch.Tensor]
+#: Builds layer i's feed-forward; MoE families give their own.
+FFNFactory = Callable[[GGUFFile, ModelConfig, int], FFN]
+
+
+class DenseFFN:
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, gguf: GGUFFile, prefix: str, hidden: int, ffn: int, act: str) -> None:
+        self.gate = Linear(gguf, prefix + "ffn_gate", (ffn, hidden))
+        self.up = Linear(gguf, prefix + "ffn_up", (ffn, hidden))
+        self.down = Linear(gguf, prefix + "ffn_down", (hidden, ffn))
+        self.act = _ACTIVATIONS[act]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def dense_ffn(feat: Features) -> FFNFactory:
+    """The factory of plain gated feed-forwards with the family's activation."""
+
+    def make(gguf: GGUFFile, cfg: ModelConfig, i: int) -> FFN:
+        return DenseFFN(gguf, f"blk.{i}.", cfg.hidden, cfg.ffn, feat.activation)
+
+    return make
+
+
 class Block:
     """One decoder layer's weights."""
 
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, feat: Features, i: int) -> None:
+    def __init__(
+        self, gguf: GGUFFile, cfg: ModelConfig, feat: Features, i: int, make_ffn: FFNFactory
+    ) -> None:
         p = f"blk.{i}."
         h, hd, hdv = cfg.hidden, cfg.head_dim, cfg.head_dim_v
         self.attn_norm = load_vector(gguf, p + "attn_norm.weight", h)
@@ -57,9 +87,7 @@ class Block:
         self.wv = Linear(gguf, p + "attn_v", (cfg.n_kv_heads * hdv, h))
         self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * hdv))
         self.ffn_norm = load_vector(gguf, p + "ffn_norm.weight", h)
-        self.gate = Linear(gguf, p + "ffn_gate", (cfg.ffn, h))
-        self.up = Linear(gguf, p + "ffn_up", (cfg.ffn, h))
-        self.down = Linear(gguf, p + "ffn_down", (h, cfg.ffn))
+        self.ffn = make_ffn(gguf, cfg, i)
         self.q_norm = self.k_norm = self.post_attn_norm = self.post_ffn_norm = None
         if feat.qk_norm:
             self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", hd)
@@ -80,15 +108,18 @@ class Transformer:
         feat: Features,
         attn_scale: float | None = None,
         progress: Callable[[int, int], None] | None = None,
+        make_ffn: FFNFactory | None = None,
     ) -> None:
         self.cfg = cfg
         self.feat = feat
+        #: The MoE executor and counters of MoE families (set by ``load_model``).
+        self.moe: MoeContext | None = None
         self.attn_scale = attn_scale or default_attn_scale(cfg.head_dim)
-        self.act = _ACTIVATIONS[feat.activation]
+        make_ffn = make_ffn or dense_ffn(feat)
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.blocks = []
         for i in range(cfg.n_layers):
-            self.blocks.append(Block(gguf, cfg, feat, i))
+            self.blocks.append(Block(gguf, cfg, feat, i, make_ffn))
             if progress:
                 progress(i + 1, cfg.n_layers)
         self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
@@ -175,7 +206,7 @@ class Transformer:
             a = rms_norm(a, blk.post_attn_norm, cfg.norm_eps)
         x = x + a
         h = rms_norm(x, blk.ffn_norm, cfg.norm_eps)
-        f = blk.down(self.act(blk.gate(h)) * blk.up(h))
+        f = blk.ffn(h)
         if blk.post_ffn_norm is not None:
             f = rms_norm(f, blk.post_ffn_norm, cfg.norm_eps)
         return x + f

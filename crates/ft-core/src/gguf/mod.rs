@@ -293,7 +293,13 @@ impl GgufFile {
 
     /// The bytes of a tensor, borrowed from the mapping.
     pub fn data(&self, t: &TensorInfo) -> &[u8] {
-        &self.maps[t.file][t.offset..t.offset + t.nbytes]
+        self.bytes(t.file, t.offset, t.nbytes)
+    }
+
+    /// `len` bytes at `offset` of split part `file`; callers pass ranges derived from this
+    /// file's tensor infos, which were checked against the file at open.
+    pub fn bytes(&self, file: usize, offset: usize, len: usize) -> &[u8] {
+        &self.maps[file][offset..offset + len]
     }
 }
 

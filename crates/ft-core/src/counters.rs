@@ -1,0 +1,70 @@
+//! Permanent MoE counters (not a debug switch): routes, distinct experts and expert weight
+//! bytes read, per layer, cumulative and for the last step.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Default)]
+struct LayerCounters {
+    steps: AtomicU64,
+    routes: AtomicU64,
+    experts: AtomicU64,
+    bytes: AtomicU64,
+    last_routes: AtomicU64,
+    last_experts: AtomicU64,
+    last_bytes: AtomicU64,
+}
+
+/// Per-layer MoE counters, updated lock-free by the executors.
+pub struct MoeCounters {
+    layers: Vec<LayerCounters>,
+}
+
+/// A snapshot of one layer's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayerSnapshot {
+    pub steps: u64,
+    pub routes: u64,
+    pub experts: u64,
+    pub bytes: u64,
+    pub last_routes: u64,
+    pub last_experts: u64,
+    pub last_bytes: u64,
+}
+
+impl MoeCounters {
+    /// Counters for `n_layers` layers, all zero.
+    pub fn new(n_layers: usize) -> MoeCounters {
+        MoeCounters {
+            layers: (0..n_layers).map(|_| LayerCounters::default()).collect(),
+        }
+    }
+
+    /// Records one step of `layer`.
+    pub fn record(&self, layer: usize, routes: u64, experts: u64, bytes: u64) {
+        if let Some(c) = self.layers.get(layer) {
+            c.steps.fetch_add(1, Ordering::Relaxed);
+            c.routes.fetch_add(routes, Ordering::Relaxed);
+            c.experts.fetch_add(experts, Ordering::Relaxed);
+            c.bytes.fetch_add(bytes, Ordering::Relaxed);
+            c.last_routes.store(routes, Ordering::Relaxed);
+            c.last_experts.store(experts, Ordering::Relaxed);
+            c.last_bytes.store(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Every layer's counters.
+    pub fn snapshot(&self) -> Vec<LayerSnapshot> {
+        self.layers
+            .iter()
+            .map(|c| LayerSnapshot {
+                steps: c.steps.load(Ordering::Relaxed),
+                routes: c.routes.load(Ordering::Relaxed),
+                experts: c.experts.load(Ordering::Relaxed),
+                bytes: c.bytes.load(Ordering::Relaxed),
+                last_routes: c.last_routes.load(Ordering::Relaxed),
+                last_experts: c.last_experts.load(Ordering::Relaxed),
+                last_bytes: c.last_bytes.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}

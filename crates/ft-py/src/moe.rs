@@ -1,0 +1,346 @@
+//! MoE layers over the expert store and the CPU expert executor, with synchronous and
+//! background (submit / wait) calls that release the GIL.
+
+use crate::errors::{to_py, IntoPy};
+use crate::gguf::PyGgufFile;
+use crate::memory::{slice, slice_mut};
+use freetoken_ggml::{Error, GgmlType, Result};
+use ft_core::counters::MoeCounters;
+use ft_core::experts::ExpertTensor;
+use ft_core::gguf::GgufFile;
+use ft_cpu::{moe_forward, Activation, Background, ExpertMats, MoeWeights, ThreadPool, Ticket};
+use pyo3::prelude::*;
+use std::sync::{Arc, Mutex};
+
+/// Per-layer counters shared by a model's MoE layers.
+#[pyclass(frozen, name = "MoeCounters")]
+pub struct PyMoeCounters {
+    inner: Arc<MoeCounters>,
+}
+
+#[pymethods]
+impl PyMoeCounters {
+    #[new]
+    fn new(n_layers: usize) -> Self {
+        PyMoeCounters {
+            inner: Arc::new(MoeCounters::new(n_layers)),
+        }
+    }
+
+    /// Per layer: (steps, routes, distinct experts, weight bytes, and the same three for the
+    /// last step).
+    fn snapshot(&self) -> Vec<(u64, u64, u64, u64, u64, u64, u64)> {
+        self.inner
+            .snapshot()
+            .iter()
+            .map(|s| {
+                (
+                    s.steps,
+                    s.routes,
+                    s.experts,
+                    s.bytes,
+                    s.last_routes,
+                    s.last_experts,
+                    s.last_bytes,
+                )
+            })
+            .collect()
+    }
+}
+
+fn f32_bias(
+    file: &GgufFile,
+    name: Option<String>,
+    n_experts: usize,
+    n: usize,
+) -> Result<Option<(usize, usize, usize)>> {
+    let Some(name) = name else { return Ok(None) };
+    let t = file.tensor(&name)?;
+    if t.ggml_type != GgmlType::F32 || t.shape.iter().product::<usize>() != n_experts * n {
+        return Err(Error::Gguf(format!(
+            "expert bias `{name}` is {:?} {}, expected F32 [{n_experts}, {n}]",
+            t.shape, t.ggml_type
+        )));
+    }
+    if file
+        .bytes(t.file, t.offset, t.nbytes)
+        .as_ptr()
+        .align_offset(4)
+        != 0
+    {
+        return Err(Error::Gguf(format!(
+            "expert bias `{name}` is not 4-byte aligned"
+        )));
+    }
+    Ok(Some((t.file, t.offset, t.nbytes)))
+}
+
+/// One MoE layer: its experts' weights in the mapping, biases, activation, counter slot.
+#[pyclass(frozen, name = "MoeLayer")]
+pub struct PyMoeLayer {
+    file: Arc<GgufFile>,
+    index: usize,
+    counters: Arc<MoeCounters>,
+    gate: ExpertTensor,
+    up: ExpertTensor,
+    down: ExpertTensor,
+    biases: [Option<(usize, usize, usize)>; 3],
+    act: Activation,
+}
+
+impl PyMoeLayer {
+    fn mats(&self, t: &ExpertTensor, bias: Option<(usize, usize, usize)>) -> ExpertMats<'_> {
+        let bias = bias.map(|(f, off, len)| {
+            let b = self.file.bytes(f, off, len);
+            // SAFETY: checked at construction: F32, in bounds, 4-byte aligned.
+            unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), len / 4) }
+        });
+        ExpertMats {
+            ty: t.ty,
+            n: t.rows,
+            k: t.k,
+            experts: t.slices(&self.file),
+            bias,
+        }
+    }
+
+    fn weights(&self) -> MoeWeights<'_> {
+        MoeWeights {
+            n_experts: self.up.n_experts(),
+            gate: self.mats(&self.gate, self.biases[0]),
+            up: self.mats(&self.up, self.biases[1]),
+            down: self.mats(&self.down, self.biases[2]),
+            act: self.act,
+        }
+    }
+
+    fn run(&self, pool: &ThreadPool, args: &CallArgs) -> Result<()> {
+        // SAFETY: the Python wrapper derives each address from a live tensor of the stated
+        // length and keeps it alive until the call (or the ticket) is done.
+        let (x, ids, w, out) = unsafe {
+            (
+                slice::<f32>(args.x, args.x_len, "x")?,
+                slice::<i32>(args.ids, args.n_routes, "ids")?,
+                slice::<f32>(args.weights, args.n_routes, "weights")?,
+                slice_mut::<f32>(args.out, args.x_len, "out")?,
+            )
+        };
+        let s = moe_forward(pool, &self.weights(), x, ids, w, out)?;
+        self.counters
+            .record(self.index, s.routes, s.experts, s.weight_bytes);
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyMoeLayer {
+    /// `gate`, `up`, `down`: one stacked tensor name each, or one name per expert; or
+    /// `gate_up` for a fused tensor (gate rows first). `act`: "silu", "gelu", "swiglu_oai".
+    #[new]
+    #[pyo3(signature = (file, index, counters, up, down, gate=None, gate_up=None, gate_bias=None, up_bias=None, down_bias=None, act="silu", alpha=1.702, limit=7.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        file: &PyGgufFile,
+        index: usize,
+        counters: &PyMoeCounters,
+        up: Vec<String>,
+        down: Vec<String>,
+        gate: Option<Vec<String>>,
+        gate_up: Option<Vec<String>>,
+        gate_bias: Option<String>,
+        up_bias: Option<String>,
+        down_bias: Option<String>,
+        act: &str,
+        alpha: f32,
+        limit: f32,
+    ) -> PyResult<Self> {
+        let f = &file.inner;
+        let (gate, up) = match (gate, gate_up) {
+            (Some(g), None) => (ExpertTensor::resolve(f, &g), ExpertTensor::resolve(f, &up)),
+            (None, Some(gu)) => {
+                let mut halves = ExpertTensor::resolve(f, &gu)
+                    .and_then(|t| t.split_rows(2))
+                    .py_err()?;
+                let up = halves.pop().expect("two halves");
+                (Ok(halves.pop().expect("two halves")), Ok(up))
+            }
+            _ => {
+                return Err(to_py(Error::InvalidInput(
+                    "give exactly one of gate and gate_up".into(),
+                )))
+            }
+        };
+        let (gate, up) = (gate.py_err()?, up.py_err()?);
+        let down = ExpertTensor::resolve(f, &down).py_err()?;
+        let e = up.n_experts();
+        let act = match act {
+            "silu" => Activation::Silu,
+            "gelu" => Activation::Gelu,
+            "swiglu_oai" => Activation::SwigluOai { alpha, limit },
+            other => {
+                return Err(to_py(Error::Unsupported(format!(
+                    "expert activation `{other}`"
+                ))))
+            }
+        };
+        let biases = [
+            f32_bias(f, gate_bias, e, gate.rows).py_err()?,
+            f32_bias(f, up_bias, e, up.rows).py_err()?,
+            f32_bias(f, down_bias, e, down.rows).py_err()?,
+        ];
+        let layer = PyMoeLayer {
+            file: Arc::clone(f),
+            index,
+            counters: Arc::clone(&counters.inner),
+            gate,
+            up,
+            down,
+            biases,
+            act,
+        };
+        // Check every shape now, not at the first token.
+        layer.weights().validate().py_err()?;
+        Ok(layer)
+    }
+
+    #[getter]
+    fn n_experts(&self) -> usize {
+        self.up.n_experts()
+    }
+
+    /// (gate, up, down) type ids.
+    #[getter]
+    fn types(&self) -> (u32, u32, u32) {
+        (self.gate.ty.id(), self.up.ty.id(), self.down.ty.id())
+    }
+
+    /// Bytes of one expert (gate + up + down).
+    #[getter]
+    fn expert_bytes(&self) -> usize {
+        self.gate.expert_bytes() + self.up.expert_bytes() + self.down.expert_bytes()
+    }
+}
+
+#[derive(Clone, Copy)]
+struct CallArgs {
+    x: usize,
+    x_len: usize,
+    ids: usize,
+    weights: usize,
+    n_routes: usize,
+    out: usize,
+}
+
+/// The CPU expert executor: its own thread pool (`--moe-cpu-threads`) and a background thread
+/// for asynchronous calls.
+#[pyclass(frozen, name = "MoeExecutor")]
+pub struct PyMoeExecutor {
+    pool: Arc<ThreadPool>,
+    background: Background,
+}
+
+/// A submitted call; `wait()` returns when it is done. Holds the call's tensors alive.
+#[pyclass(name = "MoeTicket")]
+pub struct PyMoeTicket {
+    ticket: Mutex<Option<Ticket<Result<()>>>>,
+    _owners: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyMoeTicket {
+    /// Blocks (without the GIL) until the call is done; raises its error.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let t = self.ticket.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match t {
+            Some(t) => py.detach(|| t.wait()).py_err(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PyMoeTicket {
+    fn drop(&mut self) {
+        // The job reads the owners' memory: never release them before it is done.
+        if let Some(t) = self
+            .ticket
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = t.wait();
+        }
+    }
+}
+
+#[pymethods]
+impl PyMoeExecutor {
+    #[new]
+    fn new(n_threads: usize) -> Self {
+        PyMoeExecutor {
+            pool: Arc::new(ThreadPool::new(n_threads.max(1))),
+            background: Background::new("ft-moe"),
+        }
+    }
+
+    #[getter]
+    fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// out[T, H] = the layer's routed experts on x[T, H] (`x_len` = T*H floats), ids and
+    /// weights `[T, k]` (`n_routes` = T*k), synchronously, without the GIL.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        py: Python<'_>,
+        layer: &PyMoeLayer,
+        x: usize,
+        x_len: usize,
+        ids: usize,
+        weights: usize,
+        n_routes: usize,
+        out: usize,
+    ) -> PyResult<()> {
+        let args = CallArgs {
+            x,
+            x_len,
+            ids,
+            weights,
+            n_routes,
+            out,
+        };
+        py.detach(|| layer.run(&self.pool, &args)).py_err()
+    }
+
+    /// As `run`, on the background thread; `owners` (the tensors behind the addresses) stay
+    /// alive until the ticket is waited for or dropped.
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        layer: Py<PyMoeLayer>,
+        owners: Py<PyAny>,
+        x: usize,
+        x_len: usize,
+        ids: usize,
+        weights: usize,
+        n_routes: usize,
+        out: usize,
+    ) -> PyMoeTicket {
+        let args = CallArgs {
+            x,
+            x_len,
+            ids,
+            weights,
+            n_routes,
+            out,
+        };
+        let pool = Arc::clone(&self.pool);
+        let ticket = self
+            .background
+            .submit(move || layer.get().run(&pool, &args));
+        PyMoeTicket {
+            ticket: Mutex::new(Some(ticket)),
+            _owners: owners,
+        }
+    }
+}

@@ -1,0 +1,93 @@
+"""The MoE feed-forward of one layer: routing in torch, the routed experts on the CPU expert
+executor (Rust), optional shared experts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from freetoken import _core
+from freetoken.engine.routing import Routing, route
+from freetoken.gguf import GGUFFile
+
+__all__ = ["MoeContext", "MoeFFN", "default_executor", "expert_layer"]
+
+_EXECUTOR: _core.MoeExecutor | None = None
+
+
+def default_executor(n_threads: int | None = None) -> _core.MoeExecutor:
+    """The process's CPU expert executor (``--moe-cpu-threads``; default: all CPUs)."""
+    global _EXECUTOR
+    if _EXECUTOR is None or (n_threads is not None and _EXECUTOR.n_threads != n_threads):
+        _EXECUTOR = _core.MoeExecutor(n_threads or os.cpu_count() or 1)
+    return _EXECUTOR
+
+
+class MoeFFN:
+    """``y = sum_j w_j * expert_j(x) (+ shared(x))`` for the experts the router picks."""
+
+    def __init__(
+        self,
+        layer: _core.MoeLayer,
+        router: Callable[[torch.Tensor], torch.Tensor],
+        routing: Routing,
+        executor: _core.MoeExecutor,
+        selection_bias: torch.Tensor | None = None,
+        shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.layer = layer
+        self.router = router
+        self.routing = routing
+        self.executor = executor
+        self.selection_bias = selection_bias
+        self.shared = shared
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        ids, weights = route(self.router(x), self.routing, self.selection_bias)
+        out = torch.empty_like(x)
+        self.executor.run(
+            self.layer,
+            x.data_ptr(),
+            x.numel(),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+        )
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+@dataclass
+class MoeContext:
+    """What a model's MoE layers share: the executor and the per-layer counters."""
+
+    executor: _core.MoeExecutor
+    counters: _core.MoeCounters
+
+
+def expert_layer(
+    gguf: GGUFFile,
+    ctx: MoeContext,
+    i: int,
+    act: str = "silu",
+    biases: bool = False,
+    **names: list[str],
+) -> _core.MoeLayer:
+    """Layer ``i``'s experts: by default the stacked ``blk.i.ffn_{gate,up,down}_exps``
+    tensors; ``names`` overrides them (``gate_up=`` for a fused tensor, per-expert name
+    lists for Mixtral's older layout). ``biases`` adds ``.bias`` tensors (gpt-oss)."""
+    p = f"blk.{i}."
+    kinds = {k: [f"{p}ffn_{k}_exps.weight"] for k in ("gate", "up", "down")}
+    if "gate_up" in names:
+        del kinds["gate"]
+    kinds.update(names)
+    extra = {}
+    if biases:
+        extra = {f"{k}_bias": f"{p}ffn_{k}_exps.bias" for k in ("gate", "up", "down")}
+    return _core.MoeLayer(gguf.handle, i, ctx.counters, act=act, **kinds, **extra)

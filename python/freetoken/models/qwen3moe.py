@@ -1,0 +1,24 @@
+"""Qwen3-MoE: Qwen3's attention (Q/K norms, NEOX RoPE) with every layer's feed-forward a
+softmax-routed mixture of experts, weights renormalized over the top-k."""
+
+from __future__ import annotations
+
+from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.engine.routing import Routing
+from freetoken.gguf import GGUFFile
+from freetoken.models.config import ModelConfig
+from freetoken.models.layers import Linear
+from freetoken.models.transformer import FFN, Features, FFNFactory
+
+FEATURES = Features(rope_neox=True, qk_norm=True)
+
+
+def ffn_factory(ctx: MoeContext) -> FFNFactory:
+    """Routed experts on every layer."""
+
+    def make(gguf: GGUFFile, cfg: ModelConfig, i: int) -> FFN:
+        routing = Routing(top_k=cfg.n_experts_used, func="softmax", normalize=True)
+        router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
+        return MoeFFN(expert_layer(gguf, ctx, i), router, routing, ctx.executor)
+
+    return make
