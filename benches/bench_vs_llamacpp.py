@@ -1,0 +1,96 @@
+"""Side-by-side speed and peak RSS: `freetoken bench` against llama.cpp's `llama-bench`, built
+from the same pinned source with the same CPU options (tools/llama_ref.py), in one run.
+
+    python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-t 2] [-r 3]
+
+Prints a markdown table (and, with --json FILE, the raw figures) with the ratio ours/llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import llama_ref  # noqa: E402
+
+
+def _run_with_rss(cmd: list[str]) -> tuple[str, float]:
+    """Runs ``cmd`` and returns (stdout, peak RSS in MiB) from the kernel's rusage."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.execvp(cmd[0], cmd)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r) as f:
+        chunks.append(f.read())
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with {os.waitstatus_to_exitcode(status)}")
+    return "".join(chunks), usage.ru_maxrss / 1024
+
+
+def bench_llamacpp(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]:
+    exe = str(llama_ref.tool_path("llama-bench"))
+    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-t", str(t), "-r", str(r)]
+    out, rss = _run_with_rss([*cmd, "-o", "json"])
+    rows = json.loads(out)
+    pp = next(x["avg_ts"] for x in rows if x["n_prompt"] > 0)
+    tg = next(x["avg_ts"] for x in rows if x["n_gen"] > 0)
+    return {"pp_tokens_per_s": pp, "decode_tokens_per_s": tg, "peak_rss_mib": rss}
+
+
+def bench_ours(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", model]
+    cmd += ["-p", str(p), "-n", str(n), "-t", str(t), "-r", str(r), "-o", "json"]
+    out, rss = _run_with_rss(cmd)
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_mib"] = rss
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", help="GGUF (default: the embedded default model)")
+    ap.add_argument("-p", type=int, default=128)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    if args.model is None:
+        from freetoken.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    ref = bench_llamacpp(args.model, args.p, args.n, args.t, args.r)
+    ours = bench_ours(args.model, args.p, args.n, args.t, args.r)
+    name = os.path.basename(args.model)
+    print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}, {args.r} reps\n")
+    print("| | pp t/s | decode t/s | peak RSS MiB |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, res in (("llama.cpp", ref), ("freetoken", ours)):
+        print(
+            f"| {label} | {res['pp_tokens_per_s']:.1f} | {res['decode_tokens_per_s']:.1f} | "
+            f"{res['peak_rss_mib']:.0f} |"
+        )
+    pp_ratio = ours["pp_tokens_per_s"] / ref["pp_tokens_per_s"]
+    tg_ratio = ours["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+    print(f"| ratio | {pp_ratio:.2f}x | {tg_ratio:.2f}x | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"llama.cpp": ref, "freetoken": ours}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
