@@ -3,7 +3,6 @@ drive."""
 
 from __future__ import annotations
 
-import codecs
 import os
 import threading
 import time
@@ -199,15 +198,15 @@ class LLM:
     def _stream_text(
         self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]
     ) -> Iterator[str]:
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        decoder = self.tokenizer.incremental_decoder()
         stops = _StopFilter(stop)
         for tok in self.stream_tokens(tokens, max_tokens, params):
-            text = stops.feed(utf8.decode(self.tokenizer.token_to_piece(tok)))
+            text = stops.feed(decoder.add(tok))
             if text:
                 yield text
             if stops.stopped:
                 return
-        tail = stops.feed(utf8.decode(b"", final=True))
+        tail = stops.feed(decoder.flush())
         tail += "" if stops.stopped else stops.flush()
         if tail:
             yield tail
@@ -245,7 +244,5 @@ class LLM:
     ) -> str | Iterator[str]:
         """Answers a conversation (``[{"role": ..., "content": ...}]``) rendered with the
         model's chat template; same options as :meth:`generate`."""
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        # The template writes BOS itself; do not add another.
-        tokens = self.tokenize(text, add_special=False)
+        tokens = self.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
         return self.generate(tokens, max_tokens=max_tokens, stream=stream, stop=stop, **sampling)

@@ -19,6 +19,9 @@ class ProgressBar:
         self.start = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
+        # Off a terminal (logs, pipes) only the finished line is worth printing.
+        if done < total and not self.stream.isatty():
+            return
         frac = done / total if total else 1.0
         filled = int(frac * self.width)
         bar = "#" * filled + "-" * (self.width - filled)
