@@ -1,0 +1,254 @@
+//! Quantized GEMV throughput measured against the machine's read bandwidth.
+//!
+//! `bandwidth/read/<T>t` streams a buffer far larger than the last-level cache; `gemv/<type>/<T>t`
+//! runs y[1, N] = x[1, K] . W^T through ft-cpu on a weight matrix also far larger than the cache.
+//! Both report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
+//! each GEMV figure by the probe's at the same thread count: decode is bound by streaming the
+//! weights, so that fraction says how much of the machine's bandwidth the kernels use.
+
+use criterion::measurement::WallTime;
+use criterion::{
+    criterion_group, Bencher, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
+use freetoken_ggml::{quantize, GgmlType};
+use ft_cpu::{QuantWeight, ThreadPool};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// 16 times the 32 MiB L3 of the machine these figures were first taken on.
+const PROBE_BYTES: usize = 512 << 20;
+/// u64 values per probe task: enough tasks to balance the threads, each long enough to stream.
+const PROBE_CHUNK: usize = (8 << 20) / 8;
+// `sum` reads whole groups of four per half, so every chunk must be a multiple of eight values
+// for the probe to read every byte it counts.
+const _: () = assert!(PROBE_BYTES.is_multiple_of(8 * PROBE_CHUNK) && PROBE_CHUNK.is_multiple_of(8));
+
+/// Output rows: with K = 4096 even IQ2_XXS (2.06 bits per weight) is 69 MB of weights.
+const N: usize = 65536;
+/// Input features, a multiple of every block size (32 and 256).
+const K: usize = 4096;
+/// Rows actually quantized; the matrix repeats them, since quantizing all N rows (IQ2_XXS above
+/// all) would dominate the run time and the kernels' speed does not depend on the values (Q4_0,
+/// Q8_0 and Q6_K ran as fast on a matrix of 256 distinct tiles as on this one).
+const TILE_ROWS: usize = 256;
+
+/// The seven types, plus Q4_1, Q5_0, Q2_K, Q3_K and IQ2_XXS (which needs an imatrix).
+const TYPES: &[GgmlType] = &[
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
+];
+
+/// Every timed call of one case, kept for the summary.
+struct Record {
+    case: String,
+    threads: usize,
+    bytes: u64,
+    calls: Vec<(u64, Duration)>,
+}
+
+static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
+
+/// One thread, and every thread the machine offers.
+fn thread_counts() -> Vec<usize> {
+    let all = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut counts = vec![1, all];
+    counts.dedup();
+    counts
+}
+
+/// Flat sampling: every iteration streams tens of MB, so criterion's linear sampling would only
+/// stretch the run time.
+fn configure(group: &mut BenchmarkGroup<'_, WallTime>, bytes: usize) {
+    group.sampling_mode(SamplingMode::Flat);
+    group.throughput(Throughput::BytesDecimal(bytes as u64));
+}
+
+/// Times `iters` calls of `f` for criterion and records the same timing for the summary.
+fn timed(b: &mut Bencher<'_>, case: &str, threads: usize, bytes: usize, mut f: impl FnMut()) {
+    b.iter_custom(|iters| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        let elapsed = start.elapsed();
+        let mut records = RECORDS.lock().unwrap();
+        let i = match records
+            .iter()
+            .position(|r| r.case == case && r.threads == threads)
+        {
+            Some(i) => i,
+            None => {
+                records.push(Record {
+                    case: case.to_string(),
+                    threads,
+                    bytes: bytes as u64,
+                    calls: Vec::new(),
+                });
+                records.len() - 1
+            }
+        };
+        records[i].calls.push((iters, elapsed));
+        elapsed
+    });
+}
+
+/// Sums `values` as two sequential streams, its halves, read side by side: one core reads about
+/// a fifth faster from two streams than from one (33 vs 40 GB/s on the machine in README.md), and
+/// the probe is meant as the ceiling. Four lanes per stream let the compiler vectorize the adds.
+fn sum(values: &[u64]) -> u64 {
+    let (a, b) = values.split_at(values.len() / 2);
+    let mut lanes = [0u64; 8];
+    let (la, lb) = lanes.split_at_mut(4);
+    for (ca, cb) in a.chunks_exact(4).zip(b.chunks_exact(4)) {
+        for (l, v) in la.iter_mut().zip(ca) {
+            *l = l.wrapping_add(*v);
+        }
+        for (l, v) in lb.iter_mut().zip(cb) {
+            *l = l.wrapping_add(*v);
+        }
+    }
+    lanes.iter().fold(0, |s, v| s.wrapping_add(*v))
+}
+
+fn bandwidth(c: &mut Criterion) {
+    // Written, not only allocated: untouched pages all map the one shared zero page, which
+    // would be read from cache.
+    let buf: Vec<u64> = (0..PROBE_BYTES as u64 / 8).collect();
+    let mut group = c.benchmark_group("bandwidth");
+    configure(&mut group, PROBE_BYTES);
+    for threads in thread_counts() {
+        let pool = ThreadPool::new(threads);
+        group.bench_function(BenchmarkId::new("read", format!("{threads}t")), |b| {
+            timed(b, "bandwidth/read", threads, PROBE_BYTES, || {
+                let total = AtomicU64::new(0);
+                pool.run(buf.len() / PROBE_CHUNK, &|i| {
+                    let chunk = &buf[i * PROBE_CHUNK..(i + 1) * PROBE_CHUNK];
+                    total.fetch_add(sum(chunk), Ordering::Relaxed);
+                });
+                black_box(total.into_inner());
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Uniform floats in [-1, 1) from a fixed xorshift sequence.
+fn random_floats(n: usize, mut state: u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn gemv(c: &mut Criterion) {
+    let pools: Vec<ThreadPool> = thread_counts().into_iter().map(ThreadPool::new).collect();
+    let tile = random_floats(TILE_ROWS * K, 0x9e37_79b9_7f4a_7c15);
+    let x = random_floats(K, 0x2545_f491_4f6c_dd1d);
+    let imatrix = vec![1.0f32; K];
+    let mut y = vec![0f32; N];
+    let mut group = c.benchmark_group("gemv");
+    for &t in TYPES {
+        let im = t.requires_imatrix().then_some(&imatrix[..]);
+        let w = quantize(t, &tile, K, im)
+            .expect("quantize the weight tile")
+            .repeat(N / TILE_ROWS);
+        let weight = QuantWeight::new(&w, t, N, K).expect("a valid weight matrix");
+        configure(&mut group, w.len());
+        let case = format!("gemv/{t}");
+        for pool in &pools {
+            let threads = pool.n_threads();
+            group.bench_function(BenchmarkId::new(t.name(), format!("{threads}t")), |b| {
+                timed(b, &case, threads, w.len(), || {
+                    weight
+                        .matmul(pool, black_box(&x), &mut y)
+                        .expect("shapes match");
+                    black_box(&y);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+/// GB/s of one case over criterion's measurement: in flat sampling every sample runs the same
+/// number of iterations, unlike the warm-up's doubling counts, so the trailing calls with the
+/// last call's count are the samples (the mean over them is criterion's point estimate).
+fn gbps(r: &Record) -> f64 {
+    let last = r.calls.last().expect("a recorded case has a call").0;
+    let (iters, secs) = r
+        .calls
+        .iter()
+        .rev()
+        .take_while(|(n, _)| *n == last)
+        .fold((0u64, 0f64), |(n, s), (i, d)| (n + i, s + d.as_secs_f64()));
+    (r.bytes * iters) as f64 / secs / 1e9
+}
+
+fn summary() {
+    let records = RECORDS.lock().unwrap();
+    if records.is_empty() {
+        return;
+    }
+    let probe = |threads| {
+        records
+            .iter()
+            .find(|r| r.case == "bandwidth/read" && r.threads == threads)
+            .map(gbps)
+    };
+    println!("\nsummary: bytes read per second; GEMV as a fraction of the read probe at the same thread count");
+    println!(
+        "{:<16} {:>7} {:>8} {:>9}",
+        "case", "threads", "GB/s", "of probe"
+    );
+    for r in records.iter() {
+        let rate = gbps(r);
+        let fraction = match probe(r.threads) {
+            Some(p) if r.case != "bandwidth/read" => format!("{:.0}%", 100.0 * rate / p),
+            _ => "-".to_string(),
+        };
+        println!(
+            "{:<16} {:>7} {:>8.2} {:>9}",
+            r.case, r.threads, rate, fraction
+        );
+    }
+}
+
+criterion_group! {
+    name = benches;
+    // Ten samples over three seconds: each case streams 70-290 MB per iteration, so this is
+    // still dozens of passes, and the whole run stays within a few minutes on two cores.
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    targets = bandwidth, gemv
+}
+
+// criterion_main! with the summary after criterion's own report.
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    // Criterion measures only under `--bench` (which cargo bench passes); under `cargo test
+    // --benches` or `--list` it runs each case once at most, too little for a summary.
+    let args: Vec<String> = std::env::args().collect();
+    let has = |flag: &str| args.iter().any(|a| a == flag);
+    if has("--bench") && !has("--test") && !has("--list") {
+        summary();
+    }
+}
