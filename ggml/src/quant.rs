@@ -57,10 +57,10 @@ pub fn quantize(
 ) -> Result<Vec<u8>> {
     if !t.is_storage() {
         return Err(Error::Unsupported(format!(
-            "{t} is an activation type; quantize activations with quantize_activation"
+            "{t} is an activation type; quantize activations with VecDot::quantize_act"
         )));
     }
-    if n_per_row == 0 || src.len() % n_per_row != 0 {
+    if n_per_row == 0 || !src.len().is_multiple_of(n_per_row) {
         return Err(Error::Shape(format!(
             "{} values do not form rows of {n_per_row}",
             src.len()

@@ -128,7 +128,7 @@ impl GgmlType {
     /// Bytes of a row of `k` elements; an error when `k` is not a whole number of blocks.
     pub fn row_size(self, k: usize) -> Result<usize> {
         let bs = self.block_size();
-        if k % bs != 0 {
+        if !k.is_multiple_of(bs) {
             return Err(Error::Shape(format!(
                 "row length {k} is not a multiple of {}'s block size {bs}",
                 self.name()

@@ -75,7 +75,7 @@ impl ExpertTensor {
 
     /// Splits a fused tensor (gate and up stacked along the rows) into `n` equal row ranges.
     pub fn split_rows(&self, n: usize) -> Result<Vec<ExpertTensor>> {
-        if n == 0 || self.rows % n != 0 {
+        if n == 0 || !self.rows.is_multiple_of(n) {
             return Err(Error::Shape(format!(
                 "{} rows do not split in {n}",
                 self.rows

@@ -6,6 +6,13 @@ use freetoken_ggml::{Error, GgmlType, Result, VecDot};
 /// A shared output pointer: tasks write disjoint elements.
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr(pub(crate) *mut f32);
+
+impl OutPtr {
+    /// The pointer; a method, so closures capture the Sync wrapper, not the raw field.
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 // SAFETY: every task writes a disjoint set of indices, and `run` joins before the borrow ends.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -63,7 +70,7 @@ impl<'a> QuantWeight<'a> {
     /// split across the pool, each row read once for all T tokens.
     pub fn matmul(&self, pool: &ThreadPool, x: &[f32], y: &mut [f32]) -> Result<()> {
         let k = self.k();
-        if x.len() % k != 0 {
+        if !x.len().is_multiple_of(k) {
             return Err(Error::Shape(format!(
                 "input of {} values is not a whole number of rows of {k}",
                 x.len()
@@ -85,7 +92,7 @@ impl<'a> QuantWeight<'a> {
     /// this weight's kernel (so several weights of one vec_dot type share one quantization).
     pub fn matmul_quantized(&self, pool: &ThreadPool, acts: &[u8], y: &mut [f32]) -> Result<()> {
         let ab = self.kernel.act_row_bytes();
-        if acts.len() % ab != 0 || y.len() != acts.len() / ab * self.n {
+        if !acts.len().is_multiple_of(ab) || y.len() != acts.len() / ab * self.n {
             return Err(Error::Shape(format!(
                 "{} activation bytes and {} outputs do not fit {} rows",
                 acts.len(),
@@ -97,14 +104,13 @@ impl<'a> QuantWeight<'a> {
         let per = rows_per_task(n, pool.n_threads());
         let out = OutPtr(y.as_mut_ptr());
         pool.run(n.div_ceil(per), &|task| {
-            let out = out;
             for r in task * per..((task + 1) * per).min(n) {
                 let w = self.row(r);
                 for (tok, a) in acts.chunks_exact(ab).enumerate() {
                     let v = self.kernel.dot(w, a).expect("row sizes checked above");
                     // SAFETY: tok < T and r < n, so the index is inside y (T * n values), and
                     // row r belongs to this task alone.
-                    unsafe { *out.0.add(tok * n + r) = v };
+                    unsafe { *out.get().add(tok * n + r) = v };
                 }
             }
         });
@@ -116,7 +122,7 @@ impl<'a> QuantWeight<'a> {
 /// activation type, rows in parallel.
 pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Vec<u8>> {
     let k = kernel.k();
-    if x.len() % k != 0 {
+    if !x.len().is_multiple_of(k) {
         return Err(Error::Shape(format!(
             "input of {} values is not a whole number of rows of {k}",
             x.len()
@@ -127,10 +133,10 @@ pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Ve
     let mut acts = vec![0u8; t * ab];
     let out = OutPtr(acts.as_mut_ptr().cast());
     pool.run(t, &|tok| {
-        let out = out;
         // SAFETY: row tok of acts is [tok * ab, (tok + 1) * ab), inside the buffer and written
         // by this task alone.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.0.cast::<u8>().add(tok * ab), ab) };
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(out.get().cast::<u8>().add(tok * ab), ab) };
         kernel
             .quantize_act(&x[tok * k..(tok + 1) * k], dst)
             .expect("row sizes checked above");

@@ -185,7 +185,7 @@ pub fn moe_forward(
     let e = w.n_experts;
     let (kg, ku, kd) = w.validate()?;
     let (hidden, ffn) = (w.gate.k, w.gate.n);
-    if x.len() % hidden != 0 || out.len() != x.len() {
+    if !x.len().is_multiple_of(hidden) || out.len() != x.len() {
         return Err(Error::Shape(format!(
             "x has {} values and out {}, expected equal multiples of hidden {hidden}",
             x.len(),
@@ -196,7 +196,7 @@ pub fn moe_forward(
     if t == 0 {
         return Ok(MoeStats::default());
     }
-    if ids.len() % t != 0 || weights.len() != ids.len() || ids.is_empty() {
+    if !ids.len().is_multiple_of(t) || weights.len() != ids.len() || ids.is_empty() {
         return Err(Error::Shape(format!(
             "{} ids and {} weights for {t} tokens",
             ids.len(),
@@ -221,7 +221,6 @@ pub fn moe_forward(
     let hp = OutPtr(h.as_mut_ptr());
     let tasks = row_tasks(grouping.groups.len(), ffn);
     pool.run(tasks.len(), &|i| {
-        let hp = hp;
         let (g, r0) = tasks[i];
         let (ex, ref range) = grouping.groups[g];
         for r in r0..(r0 + ROW_BLOCK).min(ffn) {
@@ -235,7 +234,7 @@ pub fn moe_forward(
                 let uv = ku.dot(wu, au).expect("sizes checked") + bu;
                 // SAFETY: route < n_routes and r < ffn index inside h; (route, r) belongs to
                 // this task alone (rows r0.. of this expert, whose routes no other expert has).
-                unsafe { *hp.0.add(route * ffn + r) = w.act.apply(gv, uv) };
+                unsafe { *hp.get().add(route * ffn + r) = w.act.apply(gv, uv) };
             }
         }
     });
@@ -247,7 +246,6 @@ pub fn moe_forward(
     let yp = OutPtr(y.as_mut_ptr());
     let tasks = row_tasks(grouping.groups.len(), hidden);
     pool.run(tasks.len(), &|i| {
-        let yp = yp;
         let (g, r0) = tasks[i];
         let (ex, ref range) = grouping.groups[g];
         for r in r0..(r0 + ROW_BLOCK).min(hidden) {
@@ -258,7 +256,7 @@ pub fn moe_forward(
                     .dot(wd, &hq[route * adb..(route + 1) * adb])
                     .expect("sizes checked");
                 // SAFETY: as in phase 1, for y.
-                unsafe { *yp.0.add(route * hidden + r) = v + bd };
+                unsafe { *yp.get().add(route * hidden + r) = v + bd };
             }
         }
     });

@@ -1,10 +1,31 @@
-//! A persistent thread pool: workers are created once and parked between jobs, so a
-//! decode step pays a wake-up, not a thread spawn, per parallel region.
+//! A persistent thread pool: workers are created once, spin briefly after each job and then
+//! park, so back-to-back products of a decode step (a few microseconds apart) start at once
+//! instead of paying a wake-up each, and an idle pool costs nothing.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long a worker (or the caller waiting for workers) polls before it sleeps.
+const SPIN: Duration = Duration::from_micros(100);
+
+/// Polls `ready` for up to [`SPIN`]; true if it turned true.
+fn spin_until(ready: impl Fn() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() > SPIN {
+            return ready();
+        }
+    }
+}
 
 /// A borrowed task body whose lifetime `run` erases: `run` does not return before every
 /// worker has finished with it.
@@ -15,15 +36,17 @@ struct Job(*const (dyn Fn(usize) + Sync + 'static));
 unsafe impl Send for Job {}
 
 struct State {
-    generation: u64,
     job: Option<Job>,
     n_tasks: usize,
-    busy: usize,
     shutdown: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
+    /// Bumped (under the lock) each time a job is published; workers poll it while spinning.
+    generation: AtomicU64,
+    /// Workers still inside the current job.
+    busy: AtomicUsize,
     wake: Condvar,
     done: Condvar,
     next: AtomicUsize,
@@ -42,12 +65,12 @@ impl ThreadPool {
     pub fn new(n_threads: usize) -> ThreadPool {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                generation: 0,
                 job: None,
                 n_tasks: 0,
-                busy: 0,
                 shutdown: false,
             }),
+            generation: AtomicU64::new(0),
+            busy: AtomicUsize::new(0),
             wake: Condvar::new(),
             done: Condvar::new(),
             next: AtomicUsize::new(0),
@@ -100,14 +123,20 @@ impl ThreadPool {
             let mut st = shared.state.lock().unwrap();
             st.job = Some(job);
             st.n_tasks = n_tasks;
-            st.busy = self.workers.len();
-            st.generation += 1;
+            shared.busy.store(self.workers.len(), Ordering::SeqCst);
+            shared.generation.fetch_add(1, Ordering::SeqCst);
         }
         shared.wake.notify_all();
         drain(shared, job, n_tasks);
+        let idle = || shared.busy.load(Ordering::SeqCst) == 0;
         let mut st = shared.state.lock().unwrap();
-        while st.busy > 0 {
-            st = shared.done.wait(st).unwrap();
+        if !idle() {
+            drop(st);
+            spin_until(idle);
+            st = shared.state.lock().unwrap();
+            while !idle() {
+                st = shared.done.wait(st).unwrap();
+            }
         }
         st.job = None;
         drop(st);
@@ -135,24 +164,26 @@ fn drain(shared: &Shared, job: Job, n_tasks: usize) {
 fn worker(shared: &Shared) {
     let mut seen = 0u64;
     loop {
+        let published = || shared.generation.load(Ordering::SeqCst) != seen;
+        spin_until(published);
         let (job, n_tasks) = {
             let mut st = shared.state.lock().unwrap();
-            while st.generation == seen && !st.shutdown {
+            while !published() && !st.shutdown {
                 st = shared.wake.wait(st).unwrap();
             }
             if st.shutdown {
                 return;
             }
-            seen = st.generation;
+            seen = shared.generation.load(Ordering::SeqCst);
             (
                 st.job.expect("a job is set with each generation"),
                 st.n_tasks,
             )
         };
         drain(shared, job, n_tasks);
-        let mut st = shared.state.lock().unwrap();
-        st.busy -= 1;
-        if st.busy == 0 {
+        if shared.busy.fetch_sub(1, Ordering::SeqCst) == 1 {
+            // Taking the lock orders this wake-up after the caller's check-then-wait.
+            let _st = shared.state.lock().unwrap();
             shared.done.notify_one();
         }
     }

@@ -7,7 +7,7 @@
 use freetoken_ggml::{Error, Result};
 
 fn check(addr: usize, len: usize, align: usize, what: &str) -> Result<()> {
-    if len > 0 && (addr == 0 || addr % align != 0) {
+    if len > 0 && (addr == 0 || !addr.is_multiple_of(align)) {
         return Err(Error::InvalidInput(format!(
             "{what}: address {addr:#x} is null or not {align}-byte aligned"
         )));

@@ -138,7 +138,7 @@ fn parse(path: &Path, file_index: usize) -> Result<Part> {
             .ok_or_else(shape_err)?;
         let row = usize::try_from(ne[0]).map_err(|_| shape_err())?;
         let rows =
-            usize::try_from(if ne[0] == 0 { 0 } else { elems / ne[0] }).map_err(|_| shape_err())?;
+            usize::try_from(elems.checked_div(ne[0]).unwrap_or(0)).map_err(|_| shape_err())?;
         let nbytes = ggml_type
             .matrix_size(rows, row)
             .map_err(|e| Error::Gguf(format!("{name}: tensor `{tname}`: {}", e.message())))?;
