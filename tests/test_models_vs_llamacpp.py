@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from teacher_forced import compare
-
 from freetoken.llm import LLM
+from teacher_forced import compare
 
 PROMPTS = [
     "The capital of France is",

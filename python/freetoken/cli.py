@@ -145,6 +145,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-o", "--output", choices=["md", "json"], default="md")
     bench.set_defaults(func=_cmd_bench)
 
+    from freetoken import server
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (aiohttp)")
+    server.add_arguments(srv)
+    srv.set_defaults(func=server.run)
+
     from freetoken import testmodel
 
     mk = sub.add_parser("make-test-model", help="write a synthetic GGUF model")
