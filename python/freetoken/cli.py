@@ -151,6 +151,13 @@ def _build_parser() -> argparse.ArgumentParser:
     server.add_arguments(srv)
     srv.set_defaults(func=server.run)
 
+    from freetoken import profile
+
+    prof = sub.add_parser("profile", help="write a MoE model's expert-use profile")
+    _add_model_args(prof)
+    profile.add_arguments(prof)
+    prof.set_defaults(func=profile.run)
+
     from freetoken import testmodel
 
     mk = sub.add_parser("make-test-model", help="write a synthetic GGUF model")

@@ -1,7 +1,9 @@
 //! Permanent MoE counters (not a debug switch): routes, distinct experts and expert weight
-//! bytes read, per layer, cumulative and for the last step.
+//! bytes read, per layer, cumulative and for the last step; and routes per expert, the
+//! expert-use statistics that profiles are made from.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 #[derive(Default)]
 struct LayerCounters {
@@ -12,6 +14,7 @@ struct LayerCounters {
     last_routes: AtomicU64,
     last_experts: AtomicU64,
     last_bytes: AtomicU64,
+    per_expert: Mutex<Vec<u64>>,
 }
 
 /// Per-layer MoE counters, updated lock-free by the executors.
@@ -50,6 +53,35 @@ impl MoeCounters {
             c.last_experts.store(experts, Ordering::Relaxed);
             c.last_bytes.store(bytes, Ordering::Relaxed);
         }
+    }
+
+    /// Adds one step's routes (expert ids, already checked in range) to `layer`'s per-expert
+    /// use counts.
+    pub fn record_routes(&self, layer: usize, ids: &[i32], n_experts: usize) {
+        if let Some(c) = self.layers.get(layer) {
+            let mut counts = c.per_expert.lock().unwrap_or_else(|e| e.into_inner());
+            if counts.len() < n_experts {
+                counts.resize(n_experts, 0);
+            }
+            for &id in ids {
+                if let Some(n) = counts.get_mut(id as usize) {
+                    *n += 1;
+                }
+            }
+        }
+    }
+
+    /// Routes per expert, per layer, since the start (empty for layers never run).
+    pub fn expert_counts(&self) -> Vec<Vec<u64>> {
+        self.layers
+            .iter()
+            .map(|c| {
+                c.per_expert
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone()
+            })
+            .collect()
     }
 
     /// Every layer's counters.

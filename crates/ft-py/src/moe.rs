@@ -27,6 +27,11 @@ impl PyMoeCounters {
         }
     }
 
+    /// Routes per expert, per layer, since the start.
+    fn expert_counts(&self) -> Vec<Vec<u64>> {
+        self.inner.expert_counts()
+    }
+
     /// Per layer: (steps, routes, distinct experts, weight bytes, and the same three for the
     /// last step).
     fn snapshot(&self) -> Vec<(u64, u64, u64, u64, u64, u64, u64)> {
@@ -128,6 +133,8 @@ impl PyMoeLayer {
         let s = moe_forward(pool, &self.weights(), x, ids, w, out)?;
         self.counters
             .record(self.index, s.routes, s.experts, s.weight_bytes);
+        self.counters
+            .record_routes(self.index, ids, self.up.n_experts());
         Ok(())
     }
 }
