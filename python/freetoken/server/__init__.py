@@ -1,0 +1,163 @@
+"""``freetoken serve``: an asyncio OpenAI-compatible server over one loaded model.
+
+``add_arguments`` declares the flags (llama.cpp's names), ``run`` loads the model, starts the
+engine thread and serves until SIGINT or SIGTERM. ``build_state`` is the same wiring for
+callers that run their own event loop (tests, embedding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+__all__ = ["add_arguments", "build_state", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the ``serve`` flags to ``p``."""
+    p.add_argument("-m", "--model", help="GGUF model path (default: the embedded Gemma 3 270M)")
+    p.add_argument("--alias", help="model name the API reports and accepts (default: file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port (0: any free port)")
+    p.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"), help="require it")
+    p.add_argument("-np", "--parallel", type=int, default=4, help="KV slots (requests at once)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context per slot (0: model's)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument(
+        "-b", "--batch-size", type=int, default=256, help="prompt tokens evaluated per step"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+
+
+def _model_names(path: str, alias: str) -> frozenset[str]:
+    base = os.path.basename(path)
+    stem = base[:-5] if base.endswith(".gguf") else base
+    return frozenset({alias, base, stem, path})
+
+
+#: The MoE engine's per-layer counters (``model.moe.counters.snapshot()`` columns), exported
+#: summed over layers: (metric suffix, kind, help).
+MOE_SERIES = (
+    ("layer_steps_total", "counter", "MoE layer evaluations (layers x forward passes)"),
+    ("routes_total", "counter", "Token-to-expert routes computed"),
+    ("experts_total", "counter", "Distinct experts computed, summed per layer and step"),
+    ("expert_bytes_total", "counter", "Expert weight bytes read"),
+    ("last_step_routes", "gauge", "Routes in the last forward pass, all layers"),
+    ("last_step_experts", "gauge", "Distinct experts in the last forward pass, all layers"),
+    ("last_step_expert_bytes", "gauge", "Expert weight bytes read in the last forward pass"),
+)
+
+
+def _moe_counters(model: Any) -> Any:
+    """A metrics source for the MoE counters of ``model`` (nothing for a dense model)."""
+    moe = getattr(model, "moe", None)
+    counters = getattr(moe, "counters", None)
+
+    def source() -> list[tuple[str, str, str, float]]:
+        if counters is None:
+            return []
+        sums = [sum(col) for col in zip(*counters.snapshot(), strict=True)] or [0] * 7
+        return [
+            (f"freetoken_moe_{name}", kind, help_text, float(v))
+            for (name, kind, help_text), v in zip(MOE_SERIES, sums, strict=True)
+        ]
+
+    return source
+
+
+def build_state(
+    llm: Any,
+    *,
+    alias: str | None = None,
+    n_slots: int = 4,
+    n_ctx: int | None = None,
+    api_key: str | None = None,
+    batch_tokens: int = 256,
+) -> Any:
+    """Wires a loaded :class:`freetoken.LLM` into a started scheduler and a
+    :class:`~freetoken.server.app.ServerState` (stop it with ``state.scheduler.stop()``)."""
+    from freetoken.server.app import ServerConfig, ServerState
+    from freetoken.server.metrics import ServerMetrics
+    from freetoken.server.scheduler import Scheduler
+
+    n_ctx = n_ctx or llm.n_ctx
+    alias = alias or os.path.basename(llm.path)
+    holder: dict[str, ServerState] = {}
+    metrics = ServerMetrics(lambda: holder["state"].status())
+    metrics.registry.add_source(_moe_counters(llm.model))
+    scheduler = Scheduler(
+        llm.model,
+        llm.tokenizer,
+        n_slots=n_slots,
+        n_ctx=n_ctx,
+        vocab_size=llm.vocab_size,
+        batch_tokens=batch_tokens,
+        hooks=metrics,
+    )
+    template = getattr(llm.tokenizer, "chat_template", None)
+    cfg = ServerConfig(
+        alias=alias,
+        model_names=_model_names(llm.path, alias),
+        n_ctx=n_ctx,
+        vocab_size=llm.vocab_size,
+        api_key=api_key or None,
+        chat_template=template if isinstance(template, str) else None,
+        created=int(time.time()),
+    )
+    state = holder["state"] = ServerState(scheduler, llm.tokenizer, cfg, metrics)
+    scheduler.start()
+    return state
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the server until interrupted; returns the exit status."""
+    from freetoken.errors import InvalidInputError
+    from freetoken.llm import LLM
+    from freetoken.server.app import create_app, serve
+
+    if args.parallel < 1:
+        raise InvalidInputError(f"--parallel must be at least 1, got {args.parallel}")
+    if args.batch_size < 1:
+        raise InvalidInputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    llm = LLM(args.model, n_ctx=args.ctx_size, n_threads=args.threads, progress=True)
+    state = build_state(
+        llm,
+        alias=args.alias,
+        n_slots=args.parallel,
+        n_ctx=llm.n_ctx,
+        api_key=args.api_key,
+        batch_tokens=args.batch_size,
+    )
+
+    def ready(host: str, port: int) -> None:
+        print(f"freetoken: serving {state.cfg.alias} on http://{host}:{port}", flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(create_app(state), args.host, args.port, stop, ready)
+
+    try:
+        asyncio.run(main())
+    except OSError as e:  # the address is taken or not ours
+        print(
+            f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr
+        )
+        return 2
+    finally:
+        state.scheduler.stop()
+        state.pool.shutdown(wait=False)
+    print("freetoken: stopped", file=sys.stderr)
+    return 0

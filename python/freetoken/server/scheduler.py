@@ -1,0 +1,526 @@
+"""Continuous batching on an engine thread, with a bounded pool of KV slots and prefix reuse.
+
+The event loop submits :class:`Job` objects and awaits their events; the engine thread owns
+the model and every KV cache. Each step it drops cancelled jobs, admits waiting ones into free
+slots, and runs one ``forward_batch`` over all running sequences: one token for each job that
+is decoding, plus prompt chunks (up to ``batch_tokens`` in all) for jobs still reading their
+prompt. So a new request joins the running batch between two decode steps, and a long prompt
+never stalls the others for more than one chunk.
+
+Prefix cache: a slot keeps the tokens of its last request after it ends. A new request takes
+the free slot sharing the longest prefix with its prompt, truncates the cache there and only
+evaluates the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.sampler import Sampler, SamplingParams
+from freetoken.errors import FreeTokenError, RequestError
+from freetoken.server.textstream import TextStream
+
+__all__ = [
+    "EngineModel",
+    "EngineTokenizer",
+    "Event",
+    "GenerationRequest",
+    "Job",
+    "Scheduler",
+    "SchedulerHooks",
+    "TokenLogprob",
+]
+
+log = logging.getLogger("freetoken.server")
+
+#: A cached prefix shorter than this is not reused (every prompt of a chat template shares
+#: a few header tokens; reusing them saves nothing and changes the prompt's chunking).
+MIN_PREFIX_MATCH = 16
+
+
+class EngineModel(Protocol):
+    """What the scheduler needs of a model (``freetoken.models.Transformer``)."""
+
+    def new_cache(self, n_ctx: int) -> KVCache: ...
+
+    def forward_batch(
+        self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
+    ) -> list[torch.Tensor]: ...
+
+
+class EngineTokenizer(Protocol):
+    """What the scheduler needs of a tokenizer."""
+
+    eog_ids: Any
+
+    def token_to_piece(self, token: int) -> bytes: ...
+
+
+@dataclass
+class GenerationRequest:
+    """One generation, as the protocol layer hands it over.
+
+    ``logprobs`` is None for no log-probabilities, else how many alternatives to report per
+    token (0: only the chosen token's). ``cache_prompt=False`` evaluates the whole prompt
+    even when a slot holds a prefix of it (llama.cpp's option of that name).
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: Sequence[str] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token with its log-probability and the top alternatives, from the model's
+    own distribution (log-softmax of the logits, before penalties and truncation)."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: list[tuple[int, bytes, float]] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    """What the engine sends a job: new text and tokens, and at the end the finish reason
+    (``stop``, ``length``), or an error."""
+
+    text: str = ""
+    n_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: Exception | None = None
+
+
+class Job:
+    """A request inside the scheduler; the handler iterates :meth:`events`."""
+
+    _ids = 0
+
+    def __init__(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        Job._ids += 1
+        self.id = Job._ids
+        self.req = req
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = False
+        self.finished = False
+        # Filled in by the engine thread.
+        self.prompt_tokens = len(req.prompt)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.seed: int | None = None
+        self.stop_string: str | None = None  # the stop string that ended it, if any
+        self._slot: Slot | None = None
+        self._n_past = 0  # prompt tokens in the cache
+        self._next: int | None = None  # sampled, to be fed in the next step
+        self._ready: torch.Tensor | None = None  # logits to sample from without a forward
+        self._sampler: Sampler | None = None
+        self._history: list[int] = []
+        self._text: TextStream | None = None
+        self._t_last = 0.0
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Yields the job's events until the final one (finish reason or error)."""
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if ev.finish_reason is not None or ev.error is not None:
+                return
+
+
+class Slot:
+    """A KV cache and the tokens it holds (kept after a job for prefix reuse)."""
+
+    def __init__(self, index: int, cache: KVCache) -> None:
+        self.index = index
+        self.cache = cache
+        self.tokens: list[int] = []
+        self.job: Job | None = None
+        self.last_used = 0.0
+        # Logits after the last job's whole prompt (tokens[:prompt_len]): an identical
+        # prompt then starts sampling at once, with exactly the numbers of the first time.
+        self.prompt_len = 0
+        self.prompt_logits: torch.Tensor | None = None
+
+
+class SchedulerHooks:
+    """Callbacks the engine thread makes, for metrics; these do nothing."""
+
+    def on_admit(self, job: Job) -> None:
+        """A job got a slot (its prompt and cached token counts are set)."""
+
+    def on_cancel(self) -> None:
+        """A cancelled job was dropped."""
+
+    def on_step(self, n_seqs: int, n_tokens: int) -> None:
+        """A forward pass ran ``n_seqs`` sequences, ``n_tokens`` tokens in all."""
+
+    def on_first_token(self, seconds: float) -> None:
+        """A job sampled its first token, ``seconds`` after it was submitted."""
+
+    def on_token_latency(self, seconds: float) -> None:
+        """A job sampled another token, ``seconds`` after its previous one."""
+
+    def on_generated(self, n: int) -> None:
+        """``n`` tokens were generated."""
+
+    def on_finish(self, job: Job) -> None:
+        """A job ended normally."""
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    """Runs generation jobs on an engine thread with continuous batching.
+
+    ``n_slots`` KV caches of ``n_ctx`` tokens each are made up front, so memory is bounded;
+    at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting``).
+    ``hooks`` receive the events the metrics count.
+    """
+
+    def __init__(
+        self,
+        model: EngineModel,
+        tokenizer: EngineTokenizer,
+        *,
+        n_slots: int,
+        n_ctx: int,
+        vocab_size: int,
+        batch_tokens: int = 256,
+        max_waiting: int = 1024,
+        hooks: SchedulerHooks | None = None,
+    ) -> None:
+        if n_slots < 1 or n_ctx < 2 or batch_tokens < 1:
+            raise FreeTokenError("need at least one slot, a context of 2 and a batch of 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.vocab_size = vocab_size
+        self.batch_tokens = batch_tokens
+        self.max_waiting = max_waiting
+        self.hooks = hooks or SchedulerHooks()
+        self.eog = frozenset(int(t) for t in tokenizer.eog_ids)
+        self.slots = [Slot(i, model.new_cache(n_ctx)) for i in range(n_slots)]
+        self._pending: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="freetoken-engine", daemon=True)
+        self._piece_cache: dict[int, bytes] = {}
+
+    # -- the event loop's side -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the engine thread; running and waiting jobs get an error event."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, req: GenerationRequest) -> Job:
+        """Queues ``req``; call from the event loop. Raises RequestError for a prompt that
+        does not fit the context or when the queue is full."""
+        if not req.prompt:
+            raise RequestError("the prompt is empty", param="prompt", code="empty_prompt")
+        if len(req.prompt) >= self.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(req.prompt)} tokens; the context size per request is "
+                f"{self.n_ctx} (the prompt must leave room for at least one generated token)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        bad = next((t for t in req.prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside [0, {self.vocab_size})", param="prompt")
+        job = Job(req, asyncio.get_running_loop())
+        with self._cond:
+            if self._stopping:
+                raise RequestError(
+                    "the server is shutting down", status=503, err_type="server_error"
+                )
+            if len(self._pending) >= self.max_waiting:
+                raise RequestError(
+                    "too many requests waiting; retry later", status=503, err_type="server_error"
+                )
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Cancels ``job`` (a client went away); its slot is freed before the next step."""
+        if job.finished:
+            return
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify_all()
+
+    # -- status, read from the loop (plain reads of ints and lists) ---------------------------
+
+    @property
+    def n_waiting(self) -> int:
+        """Jobs queued for a slot."""
+        return len(self._pending)
+
+    @property
+    def n_running(self) -> int:
+        """Jobs holding a slot."""
+        return sum(1 for s in self.slots if s.job is not None)
+
+    def kv_tokens(self) -> tuple[int, int, int]:
+        """(tokens held by running jobs, tokens kept for prefix reuse, capacity)."""
+        busy = idle = 0
+        for s in self.slots:
+            if s.job is not None:
+                busy += s.cache.length
+            else:
+                idle += s.cache.length
+        return busy, idle, len(self.slots) * self.n_ctx
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _post(self, job: Job, ev: Event) -> None:
+        if ev.finish_reason is not None or ev.error is not None:
+            job.finished = True
+            job.t_end = time.perf_counter()
+        try:
+            job.loop.call_soon_threadsafe(job.queue.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                self._reap()
+                self._admit()
+            if self._active:
+                try:
+                    self._step()
+                except Exception as e:  # a bug here must not leave clients waiting forever
+                    log.exception("scheduler step failed")
+                    err = RequestError(f"engine error: {e}", status=500, err_type="server_error")
+                    for job in list(self._active):
+                        self._post(job, Event(error=err))
+                        self._release(job)
+        err = RequestError("the server is shutting down", status=503, err_type="server_error")
+        with self._cond:
+            for job in [*self._active, *self._pending]:
+                self._post(job, Event(error=err))
+            self._pending.clear()
+        for job in list(self._active):
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        slot = job._slot
+        if slot is not None:
+            slot.job = None
+            slot.last_used = time.monotonic()
+            job._slot = None
+        if job in self._active:
+            self._active.remove(job)
+
+    def _reap(self) -> None:
+        """Drops cancelled jobs (under the lock)."""
+        for job in [j for j in self._pending if j.cancelled]:
+            self._pending.remove(job)
+            job.finished = True
+            self.hooks.on_cancel()
+        for job in [j for j in self._active if j.cancelled]:
+            self._release(job)
+            job.finished = True
+            self.hooks.on_cancel()
+
+    def _admit(self) -> None:
+        """Moves waiting jobs into free slots, each into the one with the best prefix."""
+        while self._pending:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                return
+            job = self._pending.popleft()
+            prompt = job.req.prompt
+            reusable = prompt if job.req.cache_prompt else []
+
+            def score(s: Slot, reusable: list[int] = reusable) -> tuple[int, float]:
+                n = _common_prefix(s.tokens, reusable)
+                return (n if n >= MIN_PREFIX_MATCH else 0, -s.last_used)
+
+            slot = max(free, key=score)
+            common = _common_prefix(slot.tokens, reusable)
+            if common == len(prompt) == slot.prompt_len and slot.prompt_logits is not None:
+                job._ready = slot.prompt_logits  # the same prompt again
+            else:
+                # A short match (template header) is not worth it: evaluating the prompt from
+                # the start keeps its chunking, and so its numbers, as on an empty server.
+                common = common if common >= MIN_PREFIX_MATCH else 0
+                # The last prompt token runs again: its logits start the generation.
+                common = min(common, len(prompt) - 1)
+                slot.prompt_logits, slot.prompt_len = None, 0
+            slot.cache.truncate(common)
+            del slot.tokens[common:]
+            slot.job = job
+            job._slot = slot
+            job._n_past = common
+            job.cached_tokens = common
+            try:
+                job._sampler = Sampler(job.req.params, self.vocab_size)
+            except FreeTokenError as e:
+                self._post(job, Event(error=e))
+                self._release(job)
+                continue
+            job.seed = job._sampler.seed
+            job._history = list(prompt)
+            job._text = TextStream(job.req.stop)
+            self._active.append(job)
+            self.hooks.on_admit(job)
+
+    def _step(self) -> None:
+        """One forward pass over every running job."""
+        for job in [j for j in self._active if j._ready is not None]:
+            row, job._ready = job._ready, None
+            self._sample_or_fail(job, row)
+        batch: list[tuple[Job, list[int], bool]] = []
+        for job in self._active:
+            if job._next is not None:
+                batch.append((job, [job._next], True))
+        budget = self.batch_tokens
+        for job in self._active:
+            if job._next is not None or budget <= 0:
+                continue
+            rest = job.req.prompt[job._n_past :]
+            # A prompt is cut only at multiples of batch_tokens, as it would be alone, so
+            # its result does not depend on what else runs (a rest that does not fit the
+            # budget left waits for a step where it comes first).
+            if len(rest) > budget and budget < self.batch_tokens:
+                continue
+            chunk = rest[:budget]
+            budget -= len(chunk)
+            batch.append((job, chunk, len(chunk) == len(rest)))
+        if not batch:
+            return
+        seqs = []
+        for job, toks, _ in batch:
+            assert job._slot is not None
+            seqs.append((toks, job._slot.cache))
+        try:
+            logits = self.model.forward_batch(seqs)
+        except Exception as e:  # a failed step fails its jobs, not the server
+            log.exception("engine step failed")
+            err = (
+                e
+                if isinstance(e, RequestError)
+                else RequestError(f"engine error: {e}", status=500, err_type="server_error")
+            )
+            for job, _, _ in batch:
+                self._post(job, Event(error=err))
+                self._release(job)
+            return
+        self.hooks.on_step(len(batch), sum(len(t) for _, t, _ in batch))
+        for (job, toks, ready), row in zip(batch, logits, strict=True):
+            slot = job._slot
+            assert slot is not None
+            slot.tokens += toks
+            if job._next is None:
+                job._n_past += len(toks)
+                if ready:  # the prompt is in: keep its logits for an identical one
+                    slot.prompt_len, slot.prompt_logits = job._n_past, row.clone()
+            if ready:
+                self._sample_or_fail(job, row)
+
+    def _sample_or_fail(self, job: Job, row: torch.Tensor) -> None:
+        try:
+            self._sample(job, row)
+        except Exception as e:
+            log.exception("sampling failed")
+            err = (
+                e
+                if isinstance(e, FreeTokenError)
+                else RequestError(f"sampling error: {e}", status=500, err_type="server_error")
+            )
+            self._post(job, Event(error=err))
+            self._release(job)
+
+    def _piece(self, tok: int) -> bytes:
+        piece = self._piece_cache.get(tok)
+        if piece is None:
+            piece = self.tokenizer.token_to_piece(tok)
+            self._piece_cache[tok] = piece
+        return piece
+
+    def _logprobs(self, job: Job, row: torch.Tensor, tok: int) -> TokenLogprob:
+        lp = torch.log_softmax(row.float(), dim=-1)
+        k = job.req.logprobs or 0
+        top: list[tuple[int, bytes, float]] = []
+        if k > 0:
+            vals, ids = torch.topk(lp, k)
+            top = [(i, self._piece(i), v) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        return TokenLogprob(tok, self._piece(tok), float(lp[tok]), top)
+
+    def _sample(self, job: Job, row: torch.Tensor) -> None:
+        assert job._sampler is not None and job._text is not None and job._slot is not None
+        tok = job._sampler.sample(row, job._history)
+        now = time.perf_counter()
+        if job.t_first is None:
+            job.t_first = now
+            self.hooks.on_first_token(now - job.t_submit)
+        else:
+            self.hooks.on_token_latency(now - job._t_last)
+        job._t_last = now
+        if tok in self.eog and not job.req.ignore_eos:
+            self._finish(job, "stop", Event())
+            return
+        job.completion_tokens += 1
+        job._history.append(tok)
+        self.hooks.on_generated(1)
+        ev = Event(text=job._text.feed(self._piece(tok)), n_tokens=1)
+        if job.req.logprobs is not None:
+            ev.logprobs.append(self._logprobs(job, row, tok))
+        if job._text.stopped:
+            self._finish(job, "stop", ev)
+        elif job.completion_tokens >= job.req.max_tokens or job._slot.cache.length >= self.n_ctx:
+            self._finish(job, "length", ev)
+        else:
+            job._next = tok
+            self._post(job, ev)
+
+    def _finish(self, job: Job, reason: str, ev: Event) -> None:
+        assert job._text is not None
+        ev.text += job._text.finish()
+        ev.finish_reason = reason
+        job.stop_string = job._text.stop_string
+        job._next = None
+        self._release(job)
+        self._post(job, ev)
+        self.hooks.on_finish(job)
