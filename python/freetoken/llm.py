@@ -15,6 +15,7 @@ import torch
 
 from freetoken import _core
 from freetoken.default_model import default_model_path
+from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sampler import Sampler, SamplingParams
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
@@ -112,7 +113,8 @@ class LLM:
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length
         self.n_ctx = n_ctx
-        self._cache = self.model.new_cache(n_ctx)
+        # Allocated on first use: the server brings its own caches.
+        self._cache: KVCache | None = None
         self._tokens: list[int] = []
         self._lock = threading.Lock()
         self.last_stats = GenerationStats()
@@ -156,6 +158,8 @@ class LLM:
                 break
             common += 1
         common = min(common, len(tokens) - 1)  # the last token must run to give logits
+        if self._cache is None:
+            self._cache = self.model.new_cache(self.n_ctx)
         self._cache.truncate(common)
         self._tokens = tokens[:common]
         logits = torch.empty(0)
@@ -176,6 +180,8 @@ class LLM:
             stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
             t0 = time.perf_counter()
             logits = self._evaluate(prompt_tokens)
+            cache = self._cache
+            assert cache is not None  # _evaluate made it
             stats.prompt_seconds = time.perf_counter() - t0
             sampler = Sampler(params, self.vocab_size)
             history = list(prompt_tokens)
@@ -188,7 +194,7 @@ class LLM:
                 yield tok
                 if n + 1 == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
                     break
-                logits = self.model.forward([tok], self._cache)
+                logits = self.model.forward([tok], cache)
                 self._tokens.append(tok)
                 stats.generated_tokens = n + 1
                 stats.generation_seconds = time.perf_counter() - t1
