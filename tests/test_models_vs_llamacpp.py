@@ -42,3 +42,46 @@ def check_teacher_forced(path: Path, llama_ref_root: Path, n_gen: int, prompts: 
 @pytest.mark.slow
 def test_default_model_matches_llamacpp(default_model: Path, llama_ref_root: Path) -> None:
     check_teacher_forced(default_model, llama_ref_root, 64, PROMPTS)
+
+
+SYNTHETIC_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "In 1969, astronauts first walked on the Moon, and",
+]
+
+#: (arch, quant spec): several quant types per family, mixed within a model too.
+SYNTHETIC = [
+    ("llama", "q8_0"),
+    ("llama", "q4_k,ffn_down=q6_k,output=q8_0"),
+    ("qwen2", "q5_0,attn_v=q8_0,output=q6_k"),
+    ("qwen2", "iq4_xs,output=q8_0"),
+    ("qwen3", "q4_0,ffn=q5_k,output=q8_0"),
+    ("qwen3", "q8_0,blk.0.ffn_down=q4_k"),
+    ("gemma3", "q8_0"),
+    ("gemma3", "q4_k,attn=q5_0,output=q8_0"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "quant"), SYNTHETIC)
+def test_synthetic_model_matches_llamacpp(
+    arch: str, quant: str, tmp_path: Path, llama_ref_root: Path
+) -> None:
+    from freetoken.testmodel import make_test_model
+
+    path = make_test_model(
+        arch,
+        layers=3,
+        hidden=256,
+        ffn=512,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        seed=7,
+        quant=quant,
+        out=tmp_path / f"{arch}.gguf",
+        sliding_window=16 if arch == "gemma3" else None,
+        swa_pattern=2 if arch == "gemma3" else None,
+    )
+    check_teacher_forced(path, llama_ref_root, 32, SYNTHETIC_PROMPTS)

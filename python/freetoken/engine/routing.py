@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.errors import UnsupportedError
+from freetoken.errors import InvalidInputError, ShapeError, UnsupportedError
 
 __all__ = ["Routing", "route"]
 
@@ -37,32 +37,56 @@ class Routing:
     def __post_init__(self) -> None:
         if self.func not in ("softmax", "sigmoid", "softmax_weight"):
             raise UnsupportedError(f"expert gating function `{self.func}`")
+        if self.top_k < 1 or self.n_groups < 1 or not 1 <= self.groups_used <= self.n_groups:
+            raise InvalidInputError(
+                f"routing needs top_k >= 1 and 1 <= groups_used <= n_groups, got top_k "
+                f"{self.top_k}, {self.groups_used} of {self.n_groups} groups"
+            )
 
 
 def route(
     logits: torch.Tensor, r: Routing, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [T, E]`` -> (ids int32 ``[T, k]``, weights float32 ``[T, k]``)."""
+    """``logits [T, E]`` -> (ids int32 ``[T, k]``, weights float32 ``[T, k]``).
+
+    As llama.cpp's ``build_moe_ffn``: ``bias`` moves the selection only; the weights are the
+    unbiased probabilities of the chosen experts (for ``softmax_weight`` their logits,
+    softmaxed over the k); a scale of 0 means none."""
+    if logits.dim() != 2:
+        raise ShapeError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
+    e = logits.shape[1]
+    if bias is not None and tuple(bias.shape) != (e,):
+        raise ShapeError(f"selection bias has shape {tuple(bias.shape)}, expected ({e},)")
+    per_group = e // r.n_groups
+    if e % r.n_groups or (r.n_groups > 1 and per_group < 2):
+        raise ShapeError(f"{e} experts do not split into {r.n_groups} groups of two or more")
+    if r.top_k > r.groups_used * per_group:
+        raise ShapeError(
+            f"top-{r.top_k} of {e} experts ({r.groups_used} of {r.n_groups} groups used)"
+        )
     logits = logits.float()
-    if r.func == "softmax_weight":
-        top, ids = logits.topk(r.top_k, dim=-1)
-        weights = top.softmax(-1)
+    if r.func == "softmax":
+        probs = logits.softmax(-1)
+    elif r.func == "sigmoid":
+        probs = logits.sigmoid()
     else:
-        probs = logits.softmax(-1) if r.func == "softmax" else logits.sigmoid()
-        select = probs + bias if bias is not None else probs
-        if r.n_groups > 1:
-            t, e = select.shape
-            groups = select.view(t, r.n_groups, e // r.n_groups)
-            # A group's score is the sum of its two best experts.
-            scores = groups.topk(2, dim=-1).values.sum(-1)
-            keep = scores.topk(r.groups_used, dim=-1).indices
-            mask = torch.ones(t, r.n_groups, dtype=torch.bool)
-            mask.scatter_(1, keep, False)
-            select = groups.masked_fill(mask[..., None], float("-inf")).view(t, e)
-        ids = select.topk(r.top_k, dim=-1).indices
-        weights = probs.gather(-1, ids)
+        probs = logits
+    select = probs + bias if bias is not None else probs
+    if r.n_groups > 1:
+        t = select.shape[0]
+        groups = select.reshape(t, r.n_groups, per_group)
+        # A group's score is the sum of its two best experts.
+        scores = groups.topk(2, dim=-1).values.sum(-1)
+        keep = scores.topk(r.groups_used, dim=-1).indices
+        mask = torch.ones(t, r.n_groups, dtype=torch.bool, device=select.device)
+        mask.scatter_(1, keep, False)
+        select = groups.masked_fill(mask[..., None], float("-inf")).reshape(t, e)
+    ids = select.topk(r.top_k, dim=-1).indices
+    weights = probs.gather(-1, ids)
+    if r.func == "softmax_weight":
+        weights = weights.softmax(-1)
     if r.normalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
-    if r.scale != 1.0:
+    if r.scale not in (0.0, 1.0):
         weights = weights * r.scale
     return ids.to(torch.int32).contiguous(), weights.contiguous()
