@@ -1,6 +1,7 @@
 //! freetoken._core: thin pyo3 glue over the core crates. Arrays cross as (address, length)
 //! pairs checked by the Python layer; the GIL is released around all compute.
 
+mod cuda;
 mod errors;
 mod gguf;
 mod memory;
@@ -25,5 +26,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::matmul, m)?)?;
     m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
+    cuda::register(m)?;
     Ok(())
 }

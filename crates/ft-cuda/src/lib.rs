@@ -1,0 +1,795 @@
+//! ft-cuda: the GPU side of FreeToken, reached through `libfreetoken_cuda.so` (built by
+//! `cuda/CMakeLists.txt`), which this crate loads at run time.
+//!
+//! The library is found through `FREETOKEN_CUDA_LIB` (a file, or a folder holding it), else
+//! next to the module this code is linked into (the `_core` extension), and opened with
+//! `RTLD_LOCAL`: it carries its own ggml-base, which must not interpose with the extension's.
+//! Its C ABI is checked on load (ABI version, the size of every argument struct) and every
+//! call's arguments are checked here before the library sees them (shapes, sizes, the
+//! 2^31-block limit, slot ids). Without the library or without a GPU, [`runtime`] says why, once
+//! on stderr, and FreeToken runs CPU-only.
+//!
+//! Device memory is the caller's (torch tensors): addresses cross as `usize`, and the work is
+//! queued on the caller's stream.
+
+use freetoken_ggml::{Error, GgmlType, Result};
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
+pub const ABI_VERSION: u32 = 1;
+/// The library's file name.
+pub const LIB_NAME: &str = "libfreetoken_cuda.so";
+/// The environment variable naming the library (or its folder).
+pub const LIB_ENV: &str = "FREETOKEN_CUDA_LIB";
+/// Elements of zero padding ggml-cuda may read past the last row of a weight tensor
+/// (`MATRIX_ROW_PADDING`).
+pub const ROW_PADDING: usize = 512;
+/// Blocks one weight tensor may hold: MMQ/MMVQ use 32-bit block offsets.
+pub const MAX_BLOCKS: usize = i32::MAX as usize;
+/// Most tokens the MMVQ kernels take (`MMVQ_MAX_BATCH_SIZE`); MMQ serves more.
+pub const MMVQ_MAX_TOKENS: usize = 8;
+
+const OK: i32 = 0;
+const FLAG_CHECK_IDS: u32 = 1;
+const FLAG_ACCUMULATE: u32 = 2;
+
+// Mirrors of the structs in cuda/include/freetoken_cuda.h; sizes are compared on load.
+#[repr(C)]
+struct RawDeviceInfo {
+    struct_size: u64,
+    name: [c_char; 256],
+    cc: i32,
+    n_sm: i32,
+    total_mem: u64,
+    free_mem: u64,
+}
+
+#[repr(C)]
+struct RawMatmulArgs {
+    struct_size: u64,
+    device: i32,
+    wtype: i32,
+    k: i64,
+    n: i64,
+    n_slots: i64,
+    w: *const c_void,
+    w_bytes: u64,
+    n_tokens: i64,
+    n_used: i64,
+    n_b: i64,
+    x: *const f32,
+    ids: *const i32,
+    y: *mut f32,
+    stream: *mut c_void,
+    flags: u32,
+    reserved: u32,
+}
+
+#[repr(C)]
+struct RawMoeArgs {
+    struct_size: u64,
+    device: i32,
+    act: i32,
+    hidden: i64,
+    ffn: i64,
+    n_slots: i64,
+    n_tokens: i64,
+    n_used: i64,
+    gate_type: i32,
+    up_type: i32,
+    down_type: i32,
+    reserved0: i32,
+    gate: *const c_void,
+    gate_bytes: u64,
+    up: *const c_void,
+    up_bytes: u64,
+    down: *const c_void,
+    down_bytes: u64,
+    x: *const f32,
+    ids: *const i32,
+    weights: *const f32,
+    y: *mut f32,
+    stream: *mut c_void,
+    flags: u32,
+    reserved1: u32,
+}
+
+type FnAbiVersion = unsafe extern "C" fn() -> u32;
+type FnStructSize = unsafe extern "C" fn(i32) -> u64;
+type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
+type FnDeviceInfo = unsafe extern "C" fn(i32, *mut RawDeviceInfo) -> i32;
+type FnKernelFor = unsafe extern "C" fn(i32, i32, i64) -> i32;
+type FnMatmul = unsafe extern "C" fn(*const RawMatmulArgs) -> i32;
+type FnMoe = unsafe extern "C" fn(*const RawMoeArgs) -> i32;
+type FnLastError = unsafe extern "C" fn() -> *const c_char;
+
+/// The library's entry points. The handle is never closed: the library holds CUDA state
+/// (contexts, scratch pools) for the life of the process.
+struct Api {
+    device_info: FnDeviceInfo,
+    kernel_for: FnKernelFor,
+    expert_matmul: FnMatmul,
+    moe_layer: FnMoe,
+    last_error: FnLastError,
+}
+
+/// A GPU kernel family of ggml-cuda.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Matrix-vector kernels, up to [`MMVQ_MAX_TOKENS`] tokens.
+    Mmvq,
+    /// Matrix-matrix kernels (tensor cores), above that.
+    Mmq,
+}
+
+/// The activation of a gated expert FFN: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(x)`.
+    Silu = 0,
+    /// GELU, tanh approximation (as ggml).
+    Gelu = 1,
+}
+
+/// One CUDA device as the library sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device's name.
+    pub name: String,
+    /// Compute capability as ggml writes it: major * 100 + minor * 10 (900 for Hopper).
+    pub cc: i32,
+    /// Streaming multiprocessors.
+    pub n_sm: i32,
+    /// Device memory, bytes.
+    pub total_mem: u64,
+    /// Free device memory at the time of the call, bytes.
+    pub free_mem: u64,
+}
+
+/// `y[t, j] = W[ids[t, j]] @ x[t, j or 0]` over a pool of expert matrices: the layout of
+/// ggml's `mul_mat_id`. Addresses are device memory, shapes in elements.
+#[derive(Debug, Clone)]
+pub struct ExpertMatmul {
+    /// CUDA device index.
+    pub device: i32,
+    /// The weights' type.
+    pub wtype: GgmlType,
+    /// Row length (input width).
+    pub k: usize,
+    /// Rows per matrix (output width).
+    pub n: usize,
+    /// Matrices in the pool.
+    pub n_slots: usize,
+    /// The pool: `n_slots` matrices of `n` rows, then a zeroed tail ([`pool_nbytes`]).
+    pub w: usize,
+    /// Bytes the caller owns at `w`.
+    pub w_bytes: usize,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Slots each token uses.
+    pub n_used: usize,
+    /// Activation rows per token: 1 (shared by every slot the token uses) or `n_used`.
+    pub n_b: usize,
+    /// float32 `[n_tokens, n_b, k]`.
+    pub x: usize,
+    /// int32 `[n_tokens, n_used]` slot ids, distinct within a token.
+    pub ids: usize,
+    /// float32 `[n_tokens, n_used, n]`, written.
+    pub y: usize,
+    /// `cudaStream_t` (0: the legacy default stream).
+    pub stream: usize,
+    /// Check the ids on the device (range, duplicates) before launching; synchronizes.
+    pub check_ids: bool,
+}
+
+/// One MoE layer over slot pools:
+/// `y[t] (+)= sum_j weights[t, j] * down_s(act(gate_s @ x[t]) * (up_s @ x[t]))`, `s = ids[t, j]`.
+#[derive(Debug, Clone)]
+pub struct MoeLayer {
+    /// CUDA device index.
+    pub device: i32,
+    /// The gate activation.
+    pub act: Activation,
+    /// Model width.
+    pub hidden: usize,
+    /// Expert FFN width.
+    pub ffn: usize,
+    /// Matrices in each pool.
+    pub n_slots: usize,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Experts each token uses.
+    pub n_used: usize,
+    /// Gate pool: type, address, bytes; matrices `[ffn, hidden]`.
+    pub gate: (GgmlType, usize, usize),
+    /// Up pool, as the gate pool.
+    pub up: (GgmlType, usize, usize),
+    /// Down pool; matrices `[hidden, ffn]`.
+    pub down: (GgmlType, usize, usize),
+    /// float32 `[n_tokens, hidden]`.
+    pub x: usize,
+    /// int32 `[n_tokens, n_used]`.
+    pub ids: usize,
+    /// float32 `[n_tokens, n_used]` routing weights.
+    pub weights: usize,
+    /// float32 `[n_tokens, hidden]`, written (or added to).
+    pub y: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
+    /// As [`ExpertMatmul::check_ids`].
+    pub check_ids: bool,
+    /// Add into `y` instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// The loaded library and the devices it found.
+pub struct Cuda {
+    api: Api,
+    path: PathBuf,
+    n_devices: i32,
+}
+
+// SAFETY: the library serializes its entry points behind one mutex and keeps no thread-bound
+// state but its per-thread error message, which each call reads on the calling thread.
+unsafe impl Send for Cuda {}
+unsafe impl Sync for Cuda {}
+
+static RUNTIME: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
+
+/// The GPU runtime, loaded on first use; `Unsupported` with the reason when there is none. The
+/// first failure is reported once on stderr ("running CPU-only").
+pub fn runtime() -> Result<&'static Cuda> {
+    let r = RUNTIME.get_or_init(|| {
+        let r = locate().and_then(|p| Cuda::load(&p));
+        if let Err(why) = &r {
+            eprintln!("freetoken: no GPU ({why}); running CPU-only");
+        }
+        r
+    });
+    r.as_ref()
+        .map_err(|why| Error::Unsupported(format!("the GPU is not available: {why}")))
+}
+
+/// Whether a GPU runtime is loaded and found at least one device (loads it on first call).
+pub fn available() -> bool {
+    runtime().is_ok()
+}
+
+/// The library's path: `FREETOKEN_CUDA_LIB`, else next to the module holding this code.
+fn locate() -> std::result::Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(LIB_ENV) {
+        let p = PathBuf::from(p);
+        return Ok(if p.is_dir() { p.join(LIB_NAME) } else { p });
+    }
+    let here = module_dir().ok_or("cannot tell where the extension module lives")?;
+    let p = here.join(LIB_NAME);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{LIB_NAME} is not next to the extension in {} and {LIB_ENV} is not set",
+            here.display()
+        ))
+    }
+}
+
+/// The folder of the shared object (or executable) this function is linked into.
+fn module_dir() -> Option<PathBuf> {
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the loader's tables; the address is one of our functions.
+    let ok = unsafe { libc::dladdr(module_dir as *const c_void, &mut info) };
+    if ok == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    let path = PathBuf::from(name.to_string_lossy().into_owned());
+    let path = path.canonicalize().unwrap_or(path);
+    path.parent().map(Path::to_path_buf)
+}
+
+fn dl_error() -> String {
+    // SAFETY: dlerror returns null or a NUL-terminated message owned by libc.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown dlopen error".into()
+    } else {
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+/// # Safety
+/// `T` must be the function pointer type of the symbol `name` in the library.
+unsafe fn symbol<T: Copy>(handle: *mut c_void, name: &str) -> std::result::Result<T, String> {
+    debug_assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
+    let c = CString::new(name).expect("symbol names have no NUL");
+    let p = libc::dlsym(handle, c.as_ptr());
+    if p.is_null() {
+        return Err(format!("missing symbol {name}: {}", dl_error()));
+    }
+    Ok(std::mem::transmute_copy::<*mut c_void, T>(&p))
+}
+
+fn status_error(code: i32, msg: String) -> Error {
+    match code {
+        1 => Error::InvalidInput(msg),
+        2 => Error::Shape(msg),
+        3 => Error::Unsupported(msg),
+        4 => Error::OutOfMemory(msg),
+        // A failed launch or a lost device: the closest kind the project has.
+        _ => Error::Io(format!("CUDA: {msg}")),
+    }
+}
+
+impl Cuda {
+    /// Opens the library at `path`, checks its ABI and finds the devices.
+    pub fn load(path: &Path) -> std::result::Result<Cuda, String> {
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("{} has a NUL byte", path.display()))?;
+        // SAFETY: loading runs the library's static initializers, which only set up tables.
+        let handle = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(format!("cannot load {}: {}", path.display(), dl_error()));
+        }
+        // SAFETY: each type below is the C signature of the named function in freetoken_cuda.h.
+        unsafe {
+            let abi: FnAbiVersion = symbol(handle, "ft_cuda_abi_version")?;
+            let got = abi();
+            if got != ABI_VERSION {
+                return Err(format!(
+                    "{} speaks C ABI {got}, this build needs {ABI_VERSION}",
+                    path.display()
+                ));
+            }
+            let struct_size: FnStructSize = symbol(handle, "ft_cuda_struct_size")?;
+            for (which, name, want) in [
+                (
+                    0,
+                    "ft_cuda_device_info",
+                    std::mem::size_of::<RawDeviceInfo>(),
+                ),
+                (
+                    1,
+                    "ft_cuda_matmul_args",
+                    std::mem::size_of::<RawMatmulArgs>(),
+                ),
+                (2, "ft_cuda_moe_args", std::mem::size_of::<RawMoeArgs>()),
+            ] {
+                let got = struct_size(which);
+                if got != want as u64 {
+                    return Err(format!("{name} is {got} bytes in the library, {want} here"));
+                }
+            }
+            let init: FnInit = symbol(handle, "ft_cuda_init")?;
+            let api = Api {
+                device_info: symbol(handle, "ft_cuda_device_info_get")?,
+                kernel_for: symbol(handle, "ft_cuda_kernel_for")?,
+                expert_matmul: symbol(handle, "ft_cuda_expert_matmul")?,
+                moe_layer: symbol(handle, "ft_cuda_moe_layer")?,
+                last_error: symbol(handle, "ft_cuda_last_error")?,
+            };
+            let mut n = 0i32;
+            if init(&mut n) != OK {
+                let msg = CStr::from_ptr((api.last_error)())
+                    .to_string_lossy()
+                    .into_owned();
+                return Err(msg);
+            }
+            Ok(Cuda {
+                api,
+                path: path.to_path_buf(),
+                n_devices: n,
+            })
+        }
+    }
+
+    /// Where the library was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// CUDA devices found.
+    pub fn n_devices(&self) -> i32 {
+        self.n_devices
+    }
+
+    fn last_error(&self, code: i32) -> Error {
+        // SAFETY: the library returns its thread-local message, valid until its next call here.
+        let msg = unsafe { CStr::from_ptr((self.api.last_error)()) }
+            .to_string_lossy()
+            .into_owned();
+        status_error(code, msg)
+    }
+
+    fn check_device(&self, device: i32) -> Result<()> {
+        if device < 0 || device >= self.n_devices {
+            return Err(Error::InvalidInput(format!(
+                "device {device} out of range ({} CUDA devices)",
+                self.n_devices
+            )));
+        }
+        Ok(())
+    }
+
+    /// The device's name, compute capability and memory.
+    pub fn device_info(&self, device: i32) -> Result<DeviceInfo> {
+        self.check_device(device)?;
+        let mut raw = RawDeviceInfo {
+            struct_size: std::mem::size_of::<RawDeviceInfo>() as u64,
+            name: [0; 256],
+            cc: 0,
+            n_sm: 0,
+            total_mem: 0,
+            free_mem: 0,
+        };
+        // SAFETY: raw is a properly sized, writable struct.
+        let rc = unsafe { (self.api.device_info)(device, &mut raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        raw.name[255] = 0;
+        // SAFETY: NUL-terminated just above at the latest.
+        let name = unsafe { CStr::from_ptr(raw.name.as_ptr()) };
+        Ok(DeviceInfo {
+            name: name.to_string_lossy().into_owned(),
+            cc: raw.cc,
+            n_sm: raw.n_sm,
+            total_mem: raw.total_mem,
+            free_mem: raw.free_mem,
+        })
+    }
+
+    /// The kernel that serves `ty` at `n_tokens` tokens on `device`, if any.
+    pub fn kernel_for(&self, device: i32, ty: GgmlType, n_tokens: usize) -> Result<Option<Kernel>> {
+        self.check_device(device)?;
+        // SAFETY: plain values in, a plain value out.
+        let k = unsafe { (self.api.kernel_for)(device, ty.id() as i32, n_tokens as i64) };
+        Ok(match k {
+            1 => Some(Kernel::Mmvq),
+            2 => Some(Kernel::Mmq),
+            _ => None,
+        })
+    }
+
+    fn require_kernel(&self, device: i32, ty: GgmlType, n_tokens: usize) -> Result<()> {
+        if self.kernel_for(device, ty, n_tokens)?.is_none() {
+            return Err(Error::Unsupported(format!(
+                "ggml-cuda has no MMVQ/MMQ kernel for {ty} at {n_tokens} tokens \
+                 (such experts are served by the CPU executor)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs an [`ExpertMatmul`] on its stream (asynchronously unless `check_ids`).
+    pub fn expert_matmul(&self, a: &ExpertMatmul) -> Result<()> {
+        self.check_device(a.device)?;
+        check_pool("weights", a.wtype, a.k, a.n, a.n_slots, a.w, a.w_bytes)?;
+        check_tokens("expert_matmul", a.n_tokens, a.n_used, a.k.max(a.n))?;
+        if a.n_b != 1 && a.n_b != a.n_used {
+            return Err(Error::Shape(format!(
+                "x has {} rows per token; expected 1 or n_used={}",
+                a.n_b, a.n_used
+            )));
+        }
+        check_addrs(&[("x", a.x), ("ids", a.ids), ("y", a.y)])?;
+        self.require_kernel(a.device, a.wtype, a.n_tokens)?;
+        let raw = RawMatmulArgs {
+            struct_size: std::mem::size_of::<RawMatmulArgs>() as u64,
+            device: a.device,
+            wtype: a.wtype.id() as i32,
+            k: a.k as i64,
+            n: a.n as i64,
+            n_slots: a.n_slots as i64,
+            w: a.w as *const c_void,
+            w_bytes: a.w_bytes as u64,
+            n_tokens: a.n_tokens as i64,
+            n_used: a.n_used as i64,
+            n_b: a.n_b as i64,
+            x: a.x as *const f32,
+            ids: a.ids as *const i32,
+            y: a.y as *mut f32,
+            stream: a.stream as *mut c_void,
+            flags: if a.check_ids { FLAG_CHECK_IDS } else { 0 },
+            reserved: 0,
+        };
+        // SAFETY: the arguments were checked above; the memory behind the addresses is the
+        // caller's device memory, sized as checked.
+        let rc = unsafe { (self.api.expert_matmul)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
+
+    /// Runs a [`MoeLayer`] on its stream (asynchronously unless `check_ids`).
+    pub fn moe_layer(&self, a: &MoeLayer) -> Result<()> {
+        self.check_device(a.device)?;
+        let (gt, ga, gb) = a.gate;
+        let (ut, ua, ub) = a.up;
+        let (dt, da, db) = a.down;
+        check_pool("gate", gt, a.hidden, a.ffn, a.n_slots, ga, gb)?;
+        check_pool("up", ut, a.hidden, a.ffn, a.n_slots, ua, ub)?;
+        check_pool("down", dt, a.ffn, a.hidden, a.n_slots, da, db)?;
+        check_tokens("moe_layer", a.n_tokens, a.n_used, a.hidden.max(a.ffn))?;
+        check_addrs(&[
+            ("x", a.x),
+            ("ids", a.ids),
+            ("weights", a.weights),
+            ("y", a.y),
+        ])?;
+        for t in [gt, ut, dt] {
+            self.require_kernel(a.device, t, a.n_tokens)?;
+        }
+        let mut flags = 0;
+        if a.check_ids {
+            flags |= FLAG_CHECK_IDS;
+        }
+        if a.accumulate {
+            flags |= FLAG_ACCUMULATE;
+        }
+        let raw = RawMoeArgs {
+            struct_size: std::mem::size_of::<RawMoeArgs>() as u64,
+            device: a.device,
+            act: a.act as i32,
+            hidden: a.hidden as i64,
+            ffn: a.ffn as i64,
+            n_slots: a.n_slots as i64,
+            n_tokens: a.n_tokens as i64,
+            n_used: a.n_used as i64,
+            gate_type: gt.id() as i32,
+            up_type: ut.id() as i32,
+            down_type: dt.id() as i32,
+            reserved0: 0,
+            gate: ga as *const c_void,
+            gate_bytes: gb as u64,
+            up: ua as *const c_void,
+            up_bytes: ub as u64,
+            down: da as *const c_void,
+            down_bytes: db as u64,
+            x: a.x as *const f32,
+            ids: a.ids as *const i32,
+            weights: a.weights as *const f32,
+            y: a.y as *mut f32,
+            stream: a.stream as *mut c_void,
+            flags,
+            reserved1: 0,
+        };
+        // SAFETY: as in expert_matmul.
+        let rc = unsafe { (self.api.moe_layer)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes a pool of `n_slots` matrices of `n` rows of `k` elements needs on the GPU: the
+/// matrices, then a zeroed tail covering ggml-cuda's reads past the last row (up to the next
+/// multiple of [`ROW_PADDING`] elements). An error when the pool would hold 2^31 blocks or
+/// more.
+pub fn pool_nbytes(ty: GgmlType, k: usize, n: usize, n_slots: usize) -> Result<usize> {
+    if k == 0 || n == 0 || n_slots == 0 {
+        return Err(Error::Shape(format!(
+            "pool shape [{n_slots}, {n}, {k}] has an empty dimension"
+        )));
+    }
+    let row = ty.row_size(k)?;
+    let blocks = (k / ty.block_size())
+        .checked_mul(n)
+        .and_then(|b| b.checked_mul(n_slots));
+    if blocks.is_none_or(|b| b > MAX_BLOCKS) {
+        return Err(Error::Shape(format!(
+            "a pool of {n_slots} x {n} x {k} {ty} is 2^31 blocks or more; split it \
+             (ggml-cuda indexes blocks with 32-bit integers)"
+        )));
+    }
+    let mut bytes = row * n * n_slots;
+    if !k.is_multiple_of(ROW_PADDING) {
+        let bs = ty.block_size();
+        let pad = (ROW_PADDING - k % ROW_PADDING).div_ceil(bs) * bs;
+        bytes += ty.row_size(pad)?;
+    }
+    Ok(bytes)
+}
+
+fn check_pool(
+    what: &str,
+    ty: GgmlType,
+    k: usize,
+    n: usize,
+    n_slots: usize,
+    addr: usize,
+    bytes: usize,
+) -> Result<()> {
+    if !ty.is_storage() {
+        return Err(Error::Unsupported(format!(
+            "{what}: {ty} is an activation type"
+        )));
+    }
+    let need = pool_nbytes(ty, k, n, n_slots).map_err(|e| match e {
+        Error::Shape(m) => Error::Shape(format!("{what}: {m}")),
+        e => e,
+    })?;
+    if bytes < need {
+        return Err(Error::Shape(format!(
+            "{what}: {bytes} bytes for {n_slots} x {n} x {k} {ty}; it needs {need} \
+             (the matrices and a zeroed tail)"
+        )));
+    }
+    check_addrs(&[(what, addr)])
+}
+
+fn check_tokens(what: &str, n_tokens: usize, n_used: usize, width: usize) -> Result<()> {
+    if n_tokens == 0 || n_used == 0 {
+        return Err(Error::Shape(format!(
+            "{what}: n_tokens={n_tokens} and n_used={n_used} must be positive"
+        )));
+    }
+    let elems = n_tokens
+        .checked_mul(n_used)
+        .and_then(|e| e.checked_mul(width));
+    if elems.is_none_or(|e| e > i32::MAX as usize) {
+        return Err(Error::Shape(format!(
+            "{what}: {n_tokens} tokens x {n_used} slots x {width} is 2^31 elements or more; \
+             split the batch"
+        )));
+    }
+    Ok(())
+}
+
+fn check_addrs(addrs: &[(&str, usize)]) -> Result<()> {
+    for &(what, a) in addrs {
+        if a == 0 || !a.is_multiple_of(4) {
+            return Err(Error::InvalidInput(format!(
+                "{what}: device address {a:#x} is null or not 4-byte aligned"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks host-side slot ids (`[n_tokens, n_used]`, row-major): each in `[0, n_slots)` and
+/// distinct within its token. A token naming one slot twice makes MMQ produce non-finite
+/// output (llama.cpp #24591), so callers that build ids on the host check them here for free.
+pub fn check_ids(ids: &[i32], n_used: usize, n_slots: usize) -> Result<()> {
+    if n_used == 0 || !ids.len().is_multiple_of(n_used) {
+        return Err(Error::Shape(format!(
+            "{} ids are not a whole number of tokens of {n_used}",
+            ids.len()
+        )));
+    }
+    for (t, row) in ids.chunks_exact(n_used).enumerate() {
+        for (i, &s) in row.iter().enumerate() {
+            if s < 0 || s as usize >= n_slots {
+                return Err(Error::InvalidInput(format!(
+                    "token {t}: slot id {s} is outside [0, {n_slots})"
+                )));
+            }
+            if row[..i].contains(&s) {
+                return Err(Error::InvalidInput(format!(
+                    "token {t}: names slot {s} twice (each token's slots must be distinct)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_layouts_match_the_header() {
+        // Hand-counted from cuda/include/freetoken_cuda.h (x86-64 / aarch64 LP64).
+        assert_eq!(
+            std::mem::size_of::<RawDeviceInfo>(),
+            8 + 256 + 4 + 4 + 8 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawMatmulArgs>(),
+            8 + 8 + 24 + 16 + 24 + 32 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawMoeArgs>(),
+            8 + 8 + 40 + 16 + 48 + 40 + 8
+        );
+    }
+
+    #[test]
+    fn pool_bytes_include_the_zeroed_tail() {
+        // Q4_0: 32 elements in 18 bytes. K = 768 leaves 256 elements to the next 512.
+        let row = 768 / 32 * 18;
+        assert_eq!(
+            pool_nbytes(GgmlType::Q4_0, 768, 4, 2).unwrap(),
+            row * 8 + 256 / 32 * 18
+        );
+        // K a multiple of 512: no tail.
+        assert_eq!(
+            pool_nbytes(GgmlType::Q8_0, 1024, 3, 5).unwrap(),
+            1024 / 32 * 34 * 15
+        );
+        // Q4_K: 256-element blocks; K = 256 pads by 256.
+        assert_eq!(
+            pool_nbytes(GgmlType::Q4_K, 256, 1, 1).unwrap(),
+            2 * GgmlType::Q4_K.type_size()
+        );
+    }
+
+    #[test]
+    fn pool_limits() {
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 100, 1, 1),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 4096, 4096, 4096),
+            Err(Error::Shape(m)) if m.contains("2^31")
+        ));
+        // Just under the limit is fine: 2^31 - 128 blocks.
+        assert!(pool_nbytes(GgmlType::Q8_0, 32 * 128, 1 << 16, (1 << 8) - 1).is_ok());
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 0, 1, 1),
+            Err(Error::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn host_ids_are_checked() {
+        assert!(check_ids(&[0, 1, 2, 2, 1, 0], 3, 3).is_ok());
+        let dup = check_ids(&[0, 1, 2, 3, 3, 0], 3, 4).unwrap_err();
+        assert!(
+            matches!(&dup, Error::InvalidInput(m) if m.contains("token 1") && m.contains("twice"))
+        );
+        assert!(matches!(
+            check_ids(&[0, 4], 2, 4),
+            Err(Error::InvalidInput(m)) if m.contains("outside")
+        ));
+        assert!(matches!(
+            check_ids(&[0, -1], 2, 4),
+            Err(Error::InvalidInput(_))
+        ));
+        assert!(matches!(check_ids(&[0, 1, 2], 2, 4), Err(Error::Shape(_))));
+    }
+
+    #[test]
+    fn token_limits() {
+        assert!(check_tokens("t", 1, 8, 2048).is_ok());
+        assert!(check_tokens("t", 0, 8, 2048).is_err());
+        assert!(check_tokens("t", 1 << 16, 8, 1 << 13).is_err());
+    }
+
+    #[test]
+    fn addresses_are_checked() {
+        assert!(check_addrs(&[("x", 0x1000)]).is_ok());
+        assert!(matches!(
+            check_addrs(&[("x", 0)]),
+            Err(Error::InvalidInput(m)) if m.starts_with("x:")
+        ));
+        assert!(check_addrs(&[("y", 0x1002)]).is_err());
+    }
+
+    #[test]
+    fn a_missing_library_is_reported_with_its_path() {
+        let err = Cuda::load(Path::new("/nonexistent/libfreetoken_cuda.so"))
+            .err()
+            .unwrap();
+        assert!(err.contains("/nonexistent/libfreetoken_cuda.so"), "{err}");
+    }
+
+    #[test]
+    fn a_library_without_the_abi_is_refused() {
+        // libc is loaded in every process and has none of our symbols.
+        let err = Cuda::load(Path::new("libc.so.6")).err().unwrap();
+        assert!(err.contains("missing symbol ft_cuda_abi_version"), "{err}");
+    }
+
+    #[test]
+    fn the_module_folder_is_found() {
+        let dir = module_dir().expect("dladdr finds the test binary");
+        assert!(dir.is_dir());
+    }
+}

@@ -1,0 +1,156 @@
+//! The GPU entry points (`freetoken.engine.gpu` wraps them): thin glue over ft-cuda. Device
+//! memory crosses as addresses of torch CUDA tensors that the Python layer keeps alive and has
+//! checked for dtype, device and contiguity; the stream is torch's current stream.
+
+use crate::errors::IntoPy;
+use freetoken_ggml::GgmlType;
+use ft_cuda::{Activation, ExpertMatmul, Kernel, MoeLayer};
+use pyo3::prelude::*;
+
+/// Registers this module's functions on `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_kernel_for, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_pool_nbytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_expert_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_moe_layer, m)?)?;
+    Ok(())
+}
+
+/// (available, the library's path or why there is no GPU, device count). Loads the library on
+/// first call.
+#[pyfunction]
+pub fn cuda_status(py: Python<'_>) -> (bool, String, i32) {
+    py.detach(|| match ft_cuda::runtime() {
+        Ok(rt) => (true, rt.path().display().to_string(), rt.n_devices()),
+        Err(e) => (false, e.message().to_string(), 0),
+    })
+}
+
+/// (name, compute capability as major*100+minor*10, SMs, total bytes, free bytes).
+#[pyfunction]
+pub fn cuda_device_info(py: Python<'_>, device: i32) -> PyResult<(String, i32, i32, u64, u64)> {
+    py.detach(|| {
+        let d = ft_cuda::runtime()?.device_info(device)?;
+        Ok((d.name, d.cc, d.n_sm, d.total_mem, d.free_mem))
+    })
+    .py_err()
+}
+
+/// "mmvq", "mmq" or None: the kernel serving `qtype` at `n_tokens` tokens.
+#[pyfunction]
+pub fn cuda_kernel_for(device: i32, qtype: u32, n_tokens: usize) -> PyResult<Option<&'static str>> {
+    let t = GgmlType::from_id(qtype).py_err()?;
+    let k = ft_cuda::runtime()
+        .and_then(|rt| rt.kernel_for(device, t, n_tokens))
+        .py_err()?;
+    Ok(k.map(|k| match k {
+        Kernel::Mmvq => "mmvq",
+        Kernel::Mmq => "mmq",
+    }))
+}
+
+/// Bytes of a GPU pool of `n_slots` matrices `[n, k]` of `qtype`, zeroed tail included.
+#[pyfunction]
+pub fn cuda_pool_nbytes(qtype: u32, k: usize, n: usize, n_slots: usize) -> PyResult<usize> {
+    let t = GgmlType::from_id(qtype).py_err()?;
+    ft_cuda::pool_nbytes(t, k, n, n_slots).py_err()
+}
+
+/// `y[t, j] = W[ids[t, j]] @ x[t, j or 0]` on `stream` (see `ft_cuda::ExpertMatmul`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_expert_matmul(
+    py: Python<'_>,
+    device: i32,
+    qtype: u32,
+    w: usize,
+    w_bytes: usize,
+    k: usize,
+    n: usize,
+    n_slots: usize,
+    x: usize,
+    n_b: usize,
+    n_tokens: usize,
+    ids: usize,
+    n_used: usize,
+    y: usize,
+    stream: usize,
+    check_ids: bool,
+) -> PyResult<()> {
+    let wtype = GgmlType::from_id(qtype).py_err()?;
+    let args = ExpertMatmul {
+        device,
+        wtype,
+        k,
+        n,
+        n_slots,
+        w,
+        w_bytes,
+        n_tokens,
+        n_used,
+        n_b,
+        x,
+        ids,
+        y,
+        stream,
+        check_ids,
+    };
+    py.detach(|| ft_cuda::runtime()?.expert_matmul(&args))
+        .py_err()
+}
+
+/// One MoE layer on slot pools (see `ft_cuda::MoeLayer`); `act` is "silu" or "gelu".
+/// `pools` is ((gate type, address, bytes), (up ...), (down ...)).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_moe_layer(
+    py: Python<'_>,
+    device: i32,
+    act: &str,
+    hidden: usize,
+    ffn: usize,
+    n_slots: usize,
+    n_tokens: usize,
+    n_used: usize,
+    pools: [(u32, usize, usize); 3],
+    x: usize,
+    ids: usize,
+    weights: usize,
+    y: usize,
+    stream: usize,
+    check_ids: bool,
+    accumulate: bool,
+) -> PyResult<()> {
+    let act = match act {
+        "silu" => Activation::Silu,
+        "gelu" => Activation::Gelu,
+        other => {
+            return Err(crate::errors::to_py(freetoken_ggml::Error::Unsupported(
+                format!("activation {other:?} (the GPU layer has silu and gelu)"),
+            )))
+        }
+    };
+    let pool = |(t, a, b): (u32, usize, usize)| GgmlType::from_id(t).map(|t| (t, a, b));
+    let args = MoeLayer {
+        device,
+        act,
+        hidden,
+        ffn,
+        n_slots,
+        n_tokens,
+        n_used,
+        gate: pool(pools[0]).py_err()?,
+        up: pool(pools[1]).py_err()?,
+        down: pool(pools[2]).py_err()?,
+        x,
+        ids,
+        weights,
+        y,
+        stream,
+        check_ids,
+        accumulate,
+    };
+    py.detach(|| ft_cuda::runtime()?.moe_layer(&args)).py_err()
+}

@@ -1,0 +1,121 @@
+/* libfreetoken_cuda: the C ABI that crates/ft-cuda loads at run time (dlopen, RTLD_LOCAL).
+ *
+ * Everything else in the library (ggml-base, ggml-cuda) is hidden by the version script, so
+ * the extension's own static ggml never interposes with this one.
+ *
+ * Layouts follow ggml's mul_mat_id (ne0 fastest):
+ *   weights  [K, N, n_slots]     quantized, rows of K elements; the tensor is followed by a
+ *                                zeroed tail of row_size(512 - K % 512) bytes when K % 512 != 0
+ *   x        [K, n_b, n_tokens]  float32; n_b == 1 broadcasts one row to every slot used
+ *   ids      [n_used, n_tokens]  int32 slot ids, distinct within a token
+ *   y        [N, n_used, n_tokens] float32
+ * All pointers are device memory owned by the caller, except ids_host. Work is queued on the
+ * caller's stream (0 means the legacy default stream); calls return without synchronizing
+ * unless FT_CUDA_CHECK_IDS is set.
+ *
+ * Every call returns FT_CUDA_OK or an FT_CUDA_E* code; ft_cuda_last_error() then holds the
+ * message (per thread). Each argument struct starts with its own size, which the library
+ * checks against the size it was built with.
+ */
+#ifndef FREETOKEN_CUDA_H
+#define FREETOKEN_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FT_CUDA_ABI_VERSION 1
+
+enum ft_cuda_status {
+    FT_CUDA_OK = 0,
+    FT_CUDA_EINVAL = 1,       /* a bad argument: null pointer, bad id, duplicate slot in a token */
+    FT_CUDA_ESHAPE = 2,       /* sizes that do not fit together */
+    FT_CUDA_EUNSUPPORTED = 3, /* no kernel for this type and token count */
+    FT_CUDA_ENOMEM = 4,       /* a device allocation failed */
+    FT_CUDA_EDEVICE = 5,      /* a CUDA error, or no usable device */
+};
+
+/* Kernels, as ft_cuda_kernel_for() reports them. */
+enum ft_cuda_kernel {
+    FT_CUDA_KERNEL_NONE = 0,
+    FT_CUDA_KERNEL_MMVQ = 1,
+    FT_CUDA_KERNEL_MMQ = 2,
+};
+
+/* Activations of the fused layer: act(gate) * up. */
+enum ft_cuda_act {
+    FT_CUDA_ACT_SILU = 0,
+    FT_CUDA_ACT_GELU = 1, /* tanh approximation, as ggml */
+};
+
+/* flags */
+#define FT_CUDA_CHECK_IDS 1u  /* check ids on the device (range, duplicates): synchronizes */
+#define FT_CUDA_ACCUMULATE 2u /* moe_layer: y += result instead of y = result */
+
+typedef struct ft_cuda_device_info {
+    uint64_t struct_size;
+    char name[256];
+    int32_t cc; /* compute capability, major * 100 + minor * 10 (ggml's convention) */
+    int32_t n_sm;
+    uint64_t total_mem;
+    uint64_t free_mem;
+} ft_cuda_device_info;
+
+typedef struct ft_cuda_matmul_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t wtype; /* ggml type id */
+    int64_t k, n, n_slots;
+    const void *w;
+    uint64_t w_bytes; /* bytes the caller owns at w, zeroed tail included */
+    int64_t n_tokens, n_used, n_b;
+    const float *x;
+    const int32_t *ids;
+    float *y;
+    void *stream; /* cudaStream_t */
+    uint32_t flags;
+    uint32_t reserved;
+} ft_cuda_matmul_args;
+
+/* One MoE layer: y = sum_j weights[t, j] * down_j(act(gate_j(x_t)) * up_j(x_t)). */
+typedef struct ft_cuda_moe_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t act;
+    int64_t hidden, ffn, n_slots, n_tokens, n_used;
+    int32_t gate_type, up_type, down_type, reserved0;
+    const void *gate; /* [hidden, ffn, n_slots] */
+    uint64_t gate_bytes;
+    const void *up; /* [hidden, ffn, n_slots] */
+    uint64_t up_bytes;
+    const void *down; /* [ffn, hidden, n_slots] */
+    uint64_t down_bytes;
+    const float *x;       /* [hidden, n_tokens] */
+    const int32_t *ids;   /* [n_used, n_tokens] */
+    const float *weights; /* [n_used, n_tokens] */
+    float *y;             /* [hidden, n_tokens] */
+    void *stream;
+    uint32_t flags;
+    uint32_t reserved1;
+} ft_cuda_moe_args;
+
+uint32_t ft_cuda_abi_version(void);
+/* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args; 0 if unknown. */
+uint64_t ft_cuda_struct_size(int32_t which);
+/* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
+int32_t ft_cuda_init(int32_t *n_devices);
+int32_t ft_cuda_device_info_get(int32_t device, ft_cuda_device_info *out);
+/* Which kernel serves `type` at `n_tokens` tokens on `device` (an ft_cuda_kernel). */
+int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tokens);
+int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args);
+int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
+const char *ft_cuda_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FREETOKEN_CUDA_H */

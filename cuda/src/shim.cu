@@ -1,0 +1,568 @@
+// libfreetoken_cuda: launches ggml-cuda's MMVQ/MMQ expert kernels on engine-owned memory, on
+// the caller's stream, plus the few small kernels of a MoE layer (activation, weighted sum,
+// id check). The C ABI is in include/freetoken_cuda.h.
+//
+// How the launch works (checked on the H200, see docs/gpu.md): ggml's launchers take a
+// ggml_backend_cuda_context and ggml_tensor descriptors. The descriptors here point at the
+// caller's memory and name a zero-interface buffer of the CUDA buffer type (usage ANY, so the
+// launchers never clear "padding" past a compute tensor). One context per (device, stream)
+// keeps ggml's scratch pool on one stream; its stream slot holds the caller's stream only for
+// the call, so the context never owns (or destroys) it.
+//
+// This file must be compiled with ggml-cuda's own -D flags: the context's layout depends on
+// them (USE_CUDA_GRAPH adds members). cuda/CMakeLists.txt copies them from the target.
+
+#include "freetoken_cuda.h"
+
+#include "common.cuh"
+#include "ggml-backend-impl.h"
+#include "ggml-cuda.h"
+#include "mmq.cuh"
+#include "mmvq.cuh"
+
+#include <climits>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#define FT_EXPORT extern "C" __attribute__((visibility("default")))
+
+static thread_local std::string g_last_error;
+
+static int32_t fail(int32_t code, const char *fmt, ...) {
+    char buf[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    g_last_error = buf;
+    return code;
+}
+
+static int32_t cuda_fail(cudaError_t err, const char *what) {
+    const int32_t code = err == cudaErrorMemoryAllocation ? FT_CUDA_ENOMEM : FT_CUDA_EDEVICE;
+    return fail(code, "%s: CUDA error %d (%s)", what, (int)err, cudaGetErrorString(err));
+}
+
+// Blocks per tensor stay under 2^31: MMQ/MMVQ index blocks with 32-bit integers.
+static constexpr int64_t MAX_BLOCKS = INT32_MAX;
+// Elements per activation or output tensor, for the same reason.
+static constexpr int64_t MAX_ELEMENTS = INT32_MAX;
+
+struct device_state {
+    ggml_backend_buffer_t buffer = nullptr;
+    std::map<cudaStream_t, ggml_backend_cuda_context *> contexts;
+};
+
+// Never destroyed: a context's destructor frees CUDA memory, which at process exit may run
+// after the CUDA runtime is gone (and ggml aborts on any CUDA error).
+static std::mutex g_mutex;
+static device_state *g_devices = new device_state[GGML_CUDA_MAX_DEVICES];
+static bool g_initialized = false;
+static int g_n_devices = 0;
+static std::string g_init_error;
+
+static void log_callback(enum ggml_log_level level, const char *text, void *) {
+    // ggml's info lines (device list, pool sizes) are noise inside an engine; keep the rest.
+    if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) {
+        fprintf(stderr, "freetoken_cuda: %s", text);
+    }
+}
+
+static int32_t init_locked() {
+    if (g_initialized) {
+        return g_n_devices > 0 ? FT_CUDA_OK : fail(FT_CUDA_EDEVICE, "%s", g_init_error.c_str());
+    }
+    g_initialized = true;
+    ggml_log_set(log_callback, nullptr);
+    int n = 0;
+    const cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        g_init_error = std::string("no CUDA device: ") + cudaGetErrorString(err);
+        return fail(FT_CUDA_EDEVICE, "%s", g_init_error.c_str());
+    }
+    if (n == 0) {
+        g_init_error = "no CUDA device";
+        return fail(FT_CUDA_EDEVICE, "%s", g_init_error.c_str());
+    }
+    g_n_devices = std::min(ggml_cuda_info().device_count, GGML_CUDA_MAX_DEVICES);
+    if (g_n_devices == 0) {
+        g_init_error = "ggml-cuda found no usable device";
+        return fail(FT_CUDA_EDEVICE, "%s", g_init_error.c_str());
+    }
+    return FT_CUDA_OK;
+}
+
+static int32_t check_device(int32_t device) {
+    const int32_t rc = init_locked();
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (device < 0 || device >= g_n_devices) {
+        return fail(FT_CUDA_EINVAL, "device %d out of range (%d devices)", device, g_n_devices);
+    }
+    return FT_CUDA_OK;
+}
+
+// Makes `device` current for the call and restores the caller's device after it.
+struct device_guard {
+    int prev = -1;
+    explicit device_guard(int device) {
+        if (cudaGetDevice(&prev) != cudaSuccess) {
+            prev = -1;
+        }
+        ggml_cuda_set_device(device);
+    }
+    ~device_guard() {
+        int cur = -1;
+        if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) {
+            cudaSetDevice(prev);
+        }
+    }
+};
+
+// The caller's stream in the context's stream slot for one call.
+struct stream_binding {
+    ggml_backend_cuda_context *ctx;
+    int device;
+    stream_binding(ggml_backend_cuda_context *ctx, int device, cudaStream_t stream) : ctx(ctx), device(device) {
+        ctx->curr_stream_no = 0;
+        ctx->streams[device][0] = stream;
+    }
+    ~stream_binding() { ctx->streams[device][0] = nullptr; }
+};
+
+static cudaStream_t as_stream(void *stream) {
+    // torch reports the legacy default stream as 0; ggml treats a null slot as "create one".
+    return stream == nullptr ? cudaStreamLegacy : (cudaStream_t)stream;
+}
+
+static ggml_backend_cuda_context *context_for(int device, cudaStream_t stream) {
+    device_state &ds = g_devices[device];
+    if (ds.buffer == nullptr) {
+        ds.buffer = ggml_backend_buffer_init(ggml_backend_cuda_buffer_type(device), {}, nullptr, 0);
+    }
+    auto it = ds.contexts.find(stream);
+    if (it != ds.contexts.end()) {
+        return it->second;
+    }
+    auto *ctx = new ggml_backend_cuda_context(device);
+    ds.contexts.emplace(stream, ctx);
+    return ctx;
+}
+
+static bool has_mmvq(ggml_type t) {
+    switch (t) {
+        case GGML_TYPE_Q1_0: case GGML_TYPE_Q2_0:
+        case GGML_TYPE_Q4_0: case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_0: case GGML_TYPE_Q5_1: case GGML_TYPE_Q8_0:
+        case GGML_TYPE_MXFP4: case GGML_TYPE_NVFP4:
+        case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+        case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ2_S: case GGML_TYPE_IQ3_XXS:
+        case GGML_TYPE_IQ3_S: case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ1_M: case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_IQ4_XS:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// The types of mmq.cu's switch: MMVQ's less IQ1_M.
+static bool has_mmq(ggml_type t) { return has_mmvq(t) && t != GGML_TYPE_IQ1_M; }
+
+static int32_t kernel_for_locked(int device, ggml_type t, int64_t n_tokens) {
+    if (n_tokens < 1) {
+        return FT_CUDA_KERNEL_NONE;
+    }
+    const int cc = ggml_cuda_info().devices[device].cc;
+    // As ggml's mul_mat_id: MMVQ up to its per-type batch limit (8 on Volta and Ada+), MMQ above.
+    if (has_mmvq(t) && n_tokens <= MMVQ_MAX_BATCH_SIZE &&
+        (n_tokens <= get_mmvq_mmid_max_batch(t, cc) || !has_mmq(t))) {
+        return FT_CUDA_KERNEL_MMVQ;
+    }
+    if (has_mmq(t) && ggml_cuda_should_use_mmq(t, cc, n_tokens, /*n_experts=*/1)) {
+        return FT_CUDA_KERNEL_MMQ;
+    }
+    return FT_CUDA_KERNEL_NONE;
+}
+
+static int32_t check_type(int32_t id, ggml_type *out) {
+    if (id < 0 || id >= GGML_TYPE_COUNT || ggml_type_size((ggml_type)id) == 0) {
+        return fail(FT_CUDA_EUNSUPPORTED, "type id %d is not a ggml type", id);
+    }
+    *out = (ggml_type)id;
+    return FT_CUDA_OK;
+}
+
+// Bytes a pool tensor of `n_slots` matrices [k, n] needs, zeroed tail included.
+static int64_t pool_bytes(ggml_type t, int64_t k, int64_t n, int64_t n_slots) {
+    const int64_t blck = ggml_blck_size(t);
+    int64_t bytes = (int64_t)ggml_row_size(t, k) * n * n_slots;
+    if (k % MATRIX_ROW_PADDING != 0) {
+        int64_t pad = MATRIX_ROW_PADDING - k % MATRIX_ROW_PADDING;
+        pad = (pad + blck - 1) / blck * blck;
+        bytes += (int64_t)ggml_row_size(t, pad);
+    }
+    return bytes;
+}
+
+static int32_t check_pool(const char *what, ggml_type t, int64_t k, int64_t n, int64_t n_slots, const void *p,
+                   uint64_t bytes) {
+    if (p == nullptr) {
+        return fail(FT_CUDA_EINVAL, "%s: null pointer", what);
+    }
+    if (k <= 0 || n <= 0 || n_slots <= 0) {
+        return fail(FT_CUDA_ESHAPE, "%s: shape [%lld, %lld, %lld] has an empty dimension", what, (long long)k,
+                    (long long)n, (long long)n_slots);
+    }
+    const int64_t blck = ggml_blck_size(t);
+    if (k % blck != 0) {
+        return fail(FT_CUDA_ESHAPE, "%s: K=%lld is not a multiple of %s's block size %lld", what, (long long)k,
+                    ggml_type_name(t), (long long)blck);
+    }
+    if (n_slots > MAX_BLOCKS / n || (k / blck) > MAX_BLOCKS / (n * n_slots)) {
+        return fail(FT_CUDA_ESHAPE, "%s: %lld x %lld x %lld %s is 2^31 blocks or more (32-bit block offsets)",
+                    what, (long long)k, (long long)n, (long long)n_slots, ggml_type_name(t));
+    }
+    const int64_t need = pool_bytes(t, k, n, n_slots);
+    if ((int64_t)bytes < need) {
+        return fail(FT_CUDA_ESHAPE, "%s: %llu bytes, need %lld (%lld x %lld x %lld %s and a zeroed tail)", what,
+                    (unsigned long long)bytes, (long long)need, (long long)k, (long long)n, (long long)n_slots,
+                    ggml_type_name(t));
+    }
+    return FT_CUDA_OK;
+}
+
+// A descriptor of `data` as a contiguous [ne0, ne1, ne2] tensor.
+static ggml_tensor make_tensor(ggml_type t, int64_t ne0, int64_t ne1, int64_t ne2, const void *data,
+                        ggml_backend_buffer_t buffer) {
+    ggml_tensor x;
+    memset(&x, 0, sizeof(x));
+    x.type = t;
+    x.buffer = buffer;
+    x.ne[0] = ne0;
+    x.ne[1] = ne1;
+    x.ne[2] = ne2;
+    x.ne[3] = 1;
+    x.nb[0] = ggml_type_size(t);
+    x.nb[1] = ggml_row_size(t, ne0);
+    x.nb[2] = x.nb[1] * ne1;
+    x.nb[3] = x.nb[2] * ne2;
+    x.data = const_cast<void *>(data);
+    return x;
+}
+
+static __global__ void check_ids_kernel(const int32_t *ids, int n_used, int n_tokens, int n_slots, int *flag) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n_tokens) {
+        return;
+    }
+    const int32_t *row = ids + (int64_t)t * n_used;
+    for (int i = 0; i < n_used; ++i) {
+        const int32_t v = row[i];
+        if (v < 0 || v >= n_slots) {
+            atomicOr(flag, 1);
+        }
+        for (int j = 0; j < i; ++j) {
+            if (row[j] == v) {
+                atomicOr(flag, 2);
+            }
+        }
+    }
+}
+
+// Range and duplicate check of device ids; synchronizes the stream to read the verdict.
+static int32_t check_ids_device(ggml_backend_cuda_context &ctx, cudaStream_t stream, const int32_t *ids, int64_t n_used,
+                         int64_t n_tokens, int64_t n_slots) {
+    ggml_cuda_pool_alloc<int> flag(ctx.pool(), 1);
+    int host = 0;
+    cudaError_t err = cudaMemsetAsync(flag.get(), 0, sizeof(int), stream);
+    if (err == cudaSuccess) {
+        check_ids_kernel<<<(unsigned)((n_tokens + 127) / 128), 128, 0, stream>>>(ids, (int)n_used, (int)n_tokens,
+                                                                                 (int)n_slots, flag.get());
+        err = cudaGetLastError();
+    }
+    if (err == cudaSuccess) {
+        err = cudaMemcpyAsync(&host, flag.get(), sizeof(int), cudaMemcpyDeviceToHost, stream);
+    }
+    if (err == cudaSuccess) {
+        err = cudaStreamSynchronize(stream);
+    }
+    if (err != cudaSuccess) {
+        return cuda_fail(err, "id check");
+    }
+    if (host & 1) {
+        return fail(FT_CUDA_EINVAL, "ids: a slot id is outside [0, %lld)", (long long)n_slots);
+    }
+    if (host & 2) {
+        // llama.cpp #24591: MMQ gives non-finite output when a token names one slot twice.
+        return fail(FT_CUDA_EINVAL, "ids: a token names the same slot twice (each token's slots must be distinct)");
+    }
+    return FT_CUDA_OK;
+}
+
+// y = W[ids] x through MMVQ or MMQ; descriptors already built and checked.
+static void launch_matmul(ggml_backend_cuda_context &ctx, int32_t kernel, const ggml_tensor &w, const ggml_tensor &x,
+                   const ggml_tensor &ids, ggml_tensor &y) {
+    if (kernel == FT_CUDA_KERNEL_MMVQ) {
+        ggml_cuda_mul_mat_vec_q(ctx, &w, &x, &ids, &y);
+    } else {
+        ggml_cuda_mul_mat_q(ctx, &w, &x, &ids, &y);
+    }
+}
+
+static __device__ __forceinline__ float act_value(int act, float g) {
+    if (act == FT_CUDA_ACT_GELU) {
+        const float c = 0.79788456080286535587989211986876f;
+        return 0.5f * g * (1.0f + tanhf(c * g * (1.0f + 0.044715f * g * g)));
+    }
+    return g / (1.0f + expf(-g));
+}
+
+static __global__ void glu_kernel(const float *gate, float *up, int64_t n, int act) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        up[i] *= act_value(act, gate[i]);
+    }
+}
+
+// y[t, h] (+)= sum_j w[t, j] * d[t, j, h]
+static __global__ void weighted_sum_kernel(const float *d, const float *w, float *y, int64_t hidden, int n_used,
+                                    int64_t n_tokens, bool accumulate) {
+    const int64_t h = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (h >= hidden) {
+        return;
+    }
+    for (int64_t t = blockIdx.y; t < n_tokens; t += gridDim.y) {
+        const float *dt = d + t * n_used * hidden;
+        const float *wt = w + t * n_used;
+        float s = 0.0f;
+        for (int j = 0; j < n_used; ++j) {
+            s += wt[j] * dt[(int64_t)j * hidden + h];
+        }
+        float *out = y + t * hidden + h;
+        *out = accumulate ? *out + s : s;
+    }
+}
+
+static int32_t check_tokens(int64_t n_tokens, int64_t n_used, int64_t width, const char *what) {
+    if (n_tokens < 1 || n_used < 1) {
+        return fail(FT_CUDA_ESHAPE, "%s: n_tokens=%lld and n_used=%lld must be positive", what,
+                    (long long)n_tokens, (long long)n_used);
+    }
+    if (n_used > MAX_ELEMENTS / n_tokens || width > MAX_ELEMENTS / (n_used * n_tokens)) {
+        return fail(FT_CUDA_ESHAPE, "%s: %lld tokens x %lld slots x %lld is 2^31 elements or more", what,
+                    (long long)n_tokens, (long long)n_used, (long long)width);
+    }
+    return FT_CUDA_OK;
+}
+
+static int32_t expert_matmul_locked(const ft_cuda_matmul_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    ggml_type t = GGML_TYPE_COUNT;
+    if ((rc = check_type(a.wtype, &t)) != FT_CUDA_OK) {
+        return rc;
+    }
+    if ((rc = check_pool("weights", t, a.k, a.n, a.n_slots, a.w, a.w_bytes)) != FT_CUDA_OK) {
+        return rc;
+    }
+    if ((rc = check_tokens(a.n_tokens, a.n_used, std::max(a.k, a.n), "expert_matmul")) != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.n_b != 1 && a.n_b != a.n_used) {
+        return fail(FT_CUDA_ESHAPE, "x: n_b=%lld must be 1 or n_used=%lld", (long long)a.n_b, (long long)a.n_used);
+    }
+    if (a.x == nullptr || a.ids == nullptr || a.y == nullptr) {
+        return fail(FT_CUDA_EINVAL, "x, ids and y must be non-null");
+    }
+    device_guard dg(a.device);
+    const int32_t kernel = kernel_for_locked(a.device, t, a.n_tokens);
+    if (kernel == FT_CUDA_KERNEL_NONE) {
+        return fail(FT_CUDA_EUNSUPPORTED, "ggml-cuda has no MMVQ/MMQ kernel for %s at %lld tokens", ggml_type_name(t),
+                    (long long)a.n_tokens);
+    }
+    cudaGetLastError(); // an earlier, unrelated error would make ggml's own checks abort
+    const cudaStream_t stream = as_stream(a.stream);
+    ggml_backend_cuda_context *ctx = context_for(a.device, stream);
+    const stream_binding bind(ctx, a.device, stream);
+    if (a.flags & FT_CUDA_CHECK_IDS) {
+        if ((rc = check_ids_device(*ctx, stream, a.ids, a.n_used, a.n_tokens, a.n_slots)) != FT_CUDA_OK) {
+            return rc;
+        }
+    }
+    ggml_backend_buffer_t buf = g_devices[a.device].buffer;
+    const ggml_tensor w = make_tensor(t, a.k, a.n, a.n_slots, a.w, buf);
+    const ggml_tensor x = make_tensor(GGML_TYPE_F32, a.k, a.n_b, a.n_tokens, a.x, buf);
+    const ggml_tensor ids = make_tensor(GGML_TYPE_I32, a.n_used, a.n_tokens, 1, a.ids, buf);
+    ggml_tensor y = make_tensor(GGML_TYPE_F32, a.n, a.n_used, a.n_tokens, a.y, buf);
+    launch_matmul(*ctx, kernel, w, x, ids, y);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "expert_matmul");
+}
+
+static int32_t moe_layer_locked(const ft_cuda_moe_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    ggml_type tg = GGML_TYPE_COUNT, tu = GGML_TYPE_COUNT, td = GGML_TYPE_COUNT;
+    if ((rc = check_type(a.gate_type, &tg)) != FT_CUDA_OK || (rc = check_type(a.up_type, &tu)) != FT_CUDA_OK ||
+        (rc = check_type(a.down_type, &td)) != FT_CUDA_OK) {
+        return rc;
+    }
+    if ((rc = check_pool("gate", tg, a.hidden, a.ffn, a.n_slots, a.gate, a.gate_bytes)) != FT_CUDA_OK ||
+        (rc = check_pool("up", tu, a.hidden, a.ffn, a.n_slots, a.up, a.up_bytes)) != FT_CUDA_OK ||
+        (rc = check_pool("down", td, a.ffn, a.hidden, a.n_slots, a.down, a.down_bytes)) != FT_CUDA_OK) {
+        return rc;
+    }
+    if ((rc = check_tokens(a.n_tokens, a.n_used, std::max(a.hidden, a.ffn), "moe_layer")) != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.x == nullptr || a.ids == nullptr || a.weights == nullptr || a.y == nullptr) {
+        return fail(FT_CUDA_EINVAL, "x, ids, weights and y must be non-null");
+    }
+    if (a.act != FT_CUDA_ACT_SILU && a.act != FT_CUDA_ACT_GELU) {
+        return fail(FT_CUDA_EINVAL, "unknown activation %d", a.act);
+    }
+    device_guard dg(a.device);
+    const int32_t kg = kernel_for_locked(a.device, tg, a.n_tokens);
+    const int32_t ku = kernel_for_locked(a.device, tu, a.n_tokens);
+    const int32_t kd = kernel_for_locked(a.device, td, a.n_tokens);
+    if (kg == FT_CUDA_KERNEL_NONE || ku == FT_CUDA_KERNEL_NONE || kd == FT_CUDA_KERNEL_NONE) {
+        const ggml_type bad = kg == FT_CUDA_KERNEL_NONE ? tg : ku == FT_CUDA_KERNEL_NONE ? tu : td;
+        return fail(FT_CUDA_EUNSUPPORTED, "ggml-cuda has no MMVQ/MMQ kernel for %s at %lld tokens",
+                    ggml_type_name(bad), (long long)a.n_tokens);
+    }
+    cudaGetLastError();
+    const cudaStream_t stream = as_stream(a.stream);
+    ggml_backend_cuda_context *ctx = context_for(a.device, stream);
+    const stream_binding bind(ctx, a.device, stream);
+    if (a.flags & FT_CUDA_CHECK_IDS) {
+        if ((rc = check_ids_device(*ctx, stream, a.ids, a.n_used, a.n_tokens, a.n_slots)) != FT_CUDA_OK) {
+            return rc;
+        }
+    }
+    ggml_backend_buffer_t buf = g_devices[a.device].buffer;
+    const int64_t n_act = a.ffn * a.n_used * a.n_tokens;
+    // ggml's pool is a stack on VMM devices: allocate in declaration order, free in reverse.
+    ggml_cuda_pool_alloc<float> gate_out(ctx->pool());
+    ggml_cuda_pool_alloc<float> up_out(ctx->pool());
+    ggml_cuda_pool_alloc<float> down_out(ctx->pool());
+    const bool fused = tg == tu && ku == FT_CUDA_KERNEL_MMVQ;
+    if (!fused) {
+        gate_out.alloc(n_act);
+    }
+    up_out.alloc(n_act);
+    down_out.alloc(a.hidden * a.n_used * a.n_tokens);
+
+    const ggml_tensor gate = make_tensor(tg, a.hidden, a.ffn, a.n_slots, a.gate, buf);
+    const ggml_tensor up = make_tensor(tu, a.hidden, a.ffn, a.n_slots, a.up, buf);
+    const ggml_tensor down = make_tensor(td, a.ffn, a.hidden, a.n_slots, a.down, buf);
+    const ggml_tensor x = make_tensor(GGML_TYPE_F32, a.hidden, 1, a.n_tokens, a.x, buf);
+    const ggml_tensor ids = make_tensor(GGML_TYPE_I32, a.n_used, a.n_tokens, 1, a.ids, buf);
+    ggml_tensor act = make_tensor(GGML_TYPE_F32, a.ffn, a.n_used, a.n_tokens, up_out.get(), buf);
+    ggml_tensor y = make_tensor(GGML_TYPE_F32, a.hidden, a.n_used, a.n_tokens, down_out.get(), buf);
+
+    if (fused) {
+        // MMVQ computes up and gate in one pass and applies the GLU in its epilogue.
+        ggml_cuda_mm_fusion_args_host fusion{};
+        fusion.gate = &gate;
+        fusion.glu_op = a.act == FT_CUDA_ACT_GELU ? GGML_GLU_OP_GEGLU : GGML_GLU_OP_SWIGLU;
+        ggml_cuda_mul_mat_vec_q(*ctx, &up, &x, &ids, &act, &fusion);
+    } else {
+        ggml_tensor g = make_tensor(GGML_TYPE_F32, a.ffn, a.n_used, a.n_tokens, gate_out.get(), buf);
+        launch_matmul(*ctx, kg, gate, x, ids, g);
+        launch_matmul(*ctx, ku, up, x, ids, act);
+        const int blocks = (int)std::min<int64_t>((n_act + 255) / 256, 65536);
+        glu_kernel<<<blocks, 256, 0, stream>>>(gate_out.get(), up_out.get(), n_act, a.act);
+    }
+    launch_matmul(*ctx, kd, down, act, ids, y);
+    const dim3 grid((unsigned)((a.hidden + 255) / 256), (unsigned)std::min<int64_t>(a.n_tokens, 65535));
+    weighted_sum_kernel<<<grid, 256, 0, stream>>>(down_out.get(), a.weights, a.y, a.hidden, (int)a.n_used,
+                                                  a.n_tokens, (a.flags & FT_CUDA_ACCUMULATE) != 0);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "moe_layer");
+}
+
+FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
+
+FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
+    switch (which) {
+        case 0: return sizeof(ft_cuda_device_info);
+        case 1: return sizeof(ft_cuda_matmul_args);
+        case 2: return sizeof(ft_cuda_moe_args);
+        default: return 0;
+    }
+}
+
+FT_EXPORT int32_t ft_cuda_init(int32_t *n_devices) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const int32_t rc = init_locked();
+    if (n_devices != nullptr) {
+        *n_devices = rc == FT_CUDA_OK ? g_n_devices : 0;
+    }
+    return rc;
+}
+
+FT_EXPORT int32_t ft_cuda_device_info_get(int32_t device, ft_cuda_device_info *out) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (out == nullptr || out->struct_size != sizeof(ft_cuda_device_info)) {
+        return fail(FT_CUDA_EINVAL, "device_info: null or wrong struct_size (want %zu)", sizeof(ft_cuda_device_info));
+    }
+    const int32_t rc = check_device(device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    cudaDeviceProp prop;
+    cudaError_t err = cudaGetDeviceProperties(&prop, device);
+    if (err != cudaSuccess) {
+        return cuda_fail(err, "cudaGetDeviceProperties");
+    }
+    snprintf(out->name, sizeof(out->name), "%s", prop.name);
+    out->cc = ggml_cuda_info().devices[device].cc;
+    out->n_sm = prop.multiProcessorCount;
+    out->total_mem = prop.totalGlobalMem;
+    size_t free_mem = 0, total = 0;
+    {
+        device_guard dg(device);
+        err = cudaMemGetInfo(&free_mem, &total);
+    }
+    if (err != cudaSuccess) {
+        return cuda_fail(err, "cudaMemGetInfo");
+    }
+    out->free_mem = free_mem;
+    return FT_CUDA_OK;
+}
+
+FT_EXPORT int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ggml_type t = GGML_TYPE_COUNT;
+    if (check_device(device) != FT_CUDA_OK || check_type(type, &t) != FT_CUDA_OK) {
+        return FT_CUDA_KERNEL_NONE;
+    }
+    device_guard dg(device);
+    return kernel_for_locked(device, t, n_tokens);
+}
+
+FT_EXPORT int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_matmul_args)) {
+        return fail(FT_CUDA_EINVAL, "expert_matmul: null or wrong struct_size (want %zu)", sizeof(ft_cuda_matmul_args));
+    }
+    return expert_matmul_locked(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_moe_args)) {
+        return fail(FT_CUDA_EINVAL, "moe_layer: null or wrong struct_size (want %zu)", sizeof(ft_cuda_moe_args));
+    }
+    return moe_layer_locked(*args);
+}
+
+FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }

@@ -1,0 +1,255 @@
+"""The GPU expert path: ggml-cuda's MMVQ/MMQ kernels on torch-owned memory.
+
+Thin wrappers over ``_core.cuda_*`` (``crates/ft-cuda``, which loads ``libfreetoken_cuda.so``
+from ``FREETOKEN_CUDA_LIB`` or next to the extension). Tensors are torch CUDA tensors; work is
+queued on torch's current stream of their device, and nothing synchronizes unless
+``check_ids`` asks for the device-side id check. Shapes are numpy order: a pool of ``n_slots``
+matrices ``(n, k)``, activations ``(T, k)``, slot ids ``(T, n_used)``.
+
+Without the library or a GPU, :func:`available` is False (FreeToken says once on stderr why,
+and runs CPU-only); the other calls raise UnsupportedError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from freetoken import _core
+from freetoken.errors import InvalidInputError, ShapeError
+from freetoken.quant import QType, qtype_id, type_info
+
+__all__ = [
+    "DeviceInfo",
+    "ExpertPool",
+    "GpuStatus",
+    "available",
+    "device_info",
+    "expert_matmul",
+    "kernel_for",
+    "moe_layer",
+    "pool_nbytes",
+    "status",
+]
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    """Whether the GPU path is usable; ``detail`` is the library's path or why not."""
+
+    available: bool
+    detail: str
+    n_devices: int
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A CUDA device as libfreetoken_cuda sees it."""
+
+    name: str
+    cc: int
+    """Compute capability, major * 100 + minor * 10 (900 on Hopper)."""
+    n_sm: int
+    total_mem: int
+    free_mem: int
+
+
+def status() -> GpuStatus:
+    """Loads the GPU library on first call and reports what it found."""
+    return GpuStatus(*_core.cuda_status())
+
+
+def available() -> bool:
+    """True when libfreetoken_cuda is loaded and sees a CUDA device."""
+    return status().available
+
+
+def device_info(device: int = 0) -> DeviceInfo:
+    """Name, compute capability and memory of ``device``."""
+    return DeviceInfo(*_core.cuda_device_info(device))
+
+
+def kernel_for(qtype: QType, n_tokens: int, device: int = 0) -> str | None:
+    """``"mmvq"``, ``"mmq"``, or None when no GPU kernel serves ``qtype`` at ``n_tokens``."""
+    return _core.cuda_kernel_for(device, qtype_id(qtype), n_tokens)
+
+
+def pool_nbytes(qtype: QType, k: int, n: int, n_slots: int) -> int:
+    """Bytes of a pool of ``n_slots`` matrices ``(n, k)``, including the zeroed tail that
+    ggml-cuda may read past the last row; ShapeError at 2^31 blocks or more."""
+    return _core.cuda_pool_nbytes(qtype_id(qtype), k, n, n_slots)
+
+
+class ExpertPool:
+    """``n_slots`` quantized matrices ``(n, k)`` of one type, back to back in one uint8 CUDA
+    tensor, followed by a zeroed tail. Slots are filled with :meth:`set_slot`."""
+
+    def __init__(self, qtype: QType, k: int, n: int, n_slots: int, device: Any = "cuda") -> None:
+        self.info = type_info(qtype)
+        self.k, self.n, self.n_slots = k, n, n_slots
+        self.matrix_nbytes = self.info.row_size(k) * n
+        self.tensor = torch.zeros(
+            pool_nbytes(self.info.id, k, n, n_slots), dtype=torch.uint8, device=device
+        )
+
+    @property
+    def qtype(self) -> int:
+        """The type id."""
+        return self.info.id
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """The bytes of one slot (a view into the pool)."""
+        if not 0 <= slot < self.n_slots:
+            raise InvalidInputError(f"slot {slot} outside [0, {self.n_slots})")
+        start = slot * self.matrix_nbytes
+        return self.tensor[start : start + self.matrix_nbytes]
+
+    def set_slot(self, slot: int, raw: Any) -> None:
+        """Copies one matrix (bytes, a uint8 numpy array or tensor of ``matrix_nbytes``) in."""
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            # A writable copy: torch warns on (and must not alias) read-only buffers.
+            src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        elif isinstance(raw, np.ndarray):
+            src = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).copy())
+        else:
+            src = torch.as_tensor(raw)
+        src = src.reshape(-1)
+        if src.dtype != torch.uint8 or src.numel() != self.matrix_nbytes:
+            raise ShapeError(
+                f"slot data must be {self.matrix_nbytes} uint8 bytes, got {src.numel()} {src.dtype}"
+            )
+        self.slot_view(slot).copy_(src, non_blocking=False)
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _check(
+    t: torch.Tensor, what: str, dtype: torch.dtype, shape: tuple[int, ...], dev: torch.device
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{what} must be a torch tensor, not {type(t).__name__}")
+    if t.dtype != dtype:
+        raise InvalidInputError(f"{what} must be {dtype}, got {t.dtype}")
+    if t.device != dev:
+        raise InvalidInputError(f"{what} must be on {dev}, got {t.device}")
+    if not t.is_contiguous():
+        raise InvalidInputError(f"{what} must be contiguous")
+    if tuple(t.shape) != shape:
+        raise ShapeError(f"{what} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _stream(dev: torch.device) -> int:
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
+def expert_matmul(
+    pool: ExpertPool,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """``out[t, j] = pool[ids[t, j]] @ x[t]`` (or ``@ x[t, j]`` for ``x`` of shape
+    ``(T, n_used, k)``): MMVQ up to 8 tokens, MMQ above. Returns ``out``, ``(T, n_used, n)``.
+
+    ``check_ids`` checks on the device that every id is a slot and that no token names a slot
+    twice (llama.cpp #24591 gives non-finite output), at the price of a stream synchronization;
+    pass False for ids distinct by construction (top-k) on the decode path.
+    """
+    dev = pool.device
+    if ids.dim() != 2:
+        raise ShapeError(f"ids must have shape (T, n_used), got {tuple(ids.shape)}")
+    t, n_used = ids.shape
+    _check(ids, "ids", torch.int32, (t, n_used), dev)
+    n_b = x.shape[1] if x.dim() == 3 else 1
+    _check(x, "x", torch.float32, (t, n_used, pool.k) if x.dim() == 3 else (t, pool.k), dev)
+    if out is None:
+        out = torch.empty((t, n_used, pool.n), dtype=torch.float32, device=dev)
+    _check(out, "out", torch.float32, (t, n_used, pool.n), dev)
+    _core.cuda_expert_matmul(
+        _device_index(pool.tensor),
+        pool.qtype,
+        pool.tensor.data_ptr(),
+        pool.tensor.numel(),
+        pool.k,
+        pool.n,
+        pool.n_slots,
+        x.data_ptr(),
+        n_b,
+        t,
+        ids.data_ptr(),
+        n_used,
+        out.data_ptr(),
+        _stream(dev),
+        check_ids,
+    )
+    return out
+
+
+def moe_layer(
+    gate: ExpertPool,
+    up: ExpertPool,
+    down: ExpertPool,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    act: str = "silu",
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """One MoE layer in one call: ``out[t] (+)= sum_j weights[t, j] * down_s(act(gate_s x[t]) *
+    up_s x[t])`` with ``s = ids[t, j]``. ``gate``/``up`` hold ``(ffn, hidden)`` matrices and
+    ``down`` ``(hidden, ffn)`` ones, slot for slot. Gate and up of one type run as one fused
+    MMVQ pass up to 8 tokens. Returns ``out``, ``(T, hidden)``."""
+    dev = gate.device
+    hidden, ffn = gate.k, gate.n
+    for p, what in ((up, "up"), (down, "down")):
+        if p.device != dev or p.n_slots != gate.n_slots:
+            raise ShapeError(f"{what} pool must match the gate pool's device and slot count")
+    if (up.k, up.n) != (hidden, ffn) or (down.k, down.n) != (ffn, hidden):
+        raise ShapeError(
+            f"pools must be gate/up ({ffn}, {hidden}) and down ({hidden}, {ffn}), got "
+            f"up ({up.n}, {up.k}) and down ({down.n}, {down.k})"
+        )
+    if ids.dim() != 2:
+        raise ShapeError(f"ids must have shape (T, n_used), got {tuple(ids.shape)}")
+    t, n_used = ids.shape
+    _check(ids, "ids", torch.int32, (t, n_used), dev)
+    _check(weights, "weights", torch.float32, (t, n_used), dev)
+    _check(x, "x", torch.float32, (t, hidden), dev)
+    if out is None:
+        out = (torch.zeros if accumulate else torch.empty)(
+            (t, hidden), dtype=torch.float32, device=dev
+        )
+    _check(out, "out", torch.float32, (t, hidden), dev)
+    pools = [(p.qtype, p.tensor.data_ptr(), p.tensor.numel()) for p in (gate, up, down)]
+    _core.cuda_moe_layer(
+        _device_index(gate.tensor),
+        act,
+        hidden,
+        ffn,
+        gate.n_slots,
+        t,
+        n_used,
+        pools,
+        x.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        out.data_ptr(),
+        _stream(dev),
+        check_ids,
+        accumulate,
+    )
+    return out

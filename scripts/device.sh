@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The GPU script, in phases (docs/gpu.md; figures in benches/README.md).
+#
+#   bash scripts/device.sh prepare        here, on a dev machine: fills .ft-device/ (ignored)
+#   bash scripts/device.sh build test     on the GPU machine, with .ft-device carried
+#   bash scripts/device.sh bench          on the GPU machine, after build (same /tmp)
+#
+# prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
+#   UI or unused backends: about 31 MB) and the abi3 wheel, built with the explicit GGML CPU
+#   options below (never native) so that it runs on the GPU machine too.
+# build:   one cmake/ninja tree in $FT_BUILD (default /tmp/ft-build) builds libfreetoken_cuda.so
+#   and llama.cpp's llama-bench, so ggml-cuda compiles once; the wheel is installed into
+#   $FT_SITE (default /tmp/ft-site) with the working tree's Python sources over it.
+# test:    pytest -m gpu on that install (builds first if $FT_BUILD has no library).
+# bench:   benches/bench_gpu_experts.py, and llama-bench when FT_BENCH_MODEL names a GGUF.
+# Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+DEV=$ROOT/.ft-device
+OUT=${OUT:-$DEV/out}
+FT_BUILD=${FT_BUILD:-/tmp/ft-build}
+FT_SITE=${FT_SITE:-/tmp/ft-site}
+ARCHS=${FREETOKEN_CUDA_ARCHS:-90}
+SHA=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+# Instruction sets both the dev machines and the GPU machine have.
+CPU_OPTIONS="GGML_SSE42=ON GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON \
+GGML_AVX512=ON GGML_AVX512_VBMI=ON GGML_AVX512_VNNI=ON GGML_AVX512_BF16=ON"
+mkdir -p "$OUT"
+
+log() { echo "device.sh: $*" >&2; }
+
+prepare() {
+    local src=${FREETOKEN_LLAMA_SRC:-$HOME/.cache/freetoken/llama.cpp-$SHA}
+    [ -f "$src/ggml/CMakeLists.txt" ] || {
+        log "no pinned tree at $src: build the workspace once (cargo build) to unpack it"
+        exit 2
+    }
+    log "trimming $src into $DEV/llama.cpp"
+    mkdir -p "$DEV"
+    rm -rf "$DEV/llama.cpp"
+    cp -a "$src" "$DEV/llama.cpp"
+    (
+        cd "$DEV/llama.cpp"
+        rm -rf docs models tests examples pocs media gguf-py benches tools/ui tools/server \
+            .freetoken-complete
+        for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan \
+            webgpu zdnn zendnn; do
+            rm -rf "ggml/src/ggml-$b"
+        done
+    )
+    du -sh "$DEV/llama.cpp" >&2
+    log "building the abi3 wheel (CPU options: $CPU_OPTIONS)"
+    rm -rf "$DEV/wheels"
+    CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/ft-wheel-target} \
+        FREETOKEN_GGML_CPU_OPTIONS="$CPU_OPTIONS" \
+        maturin build --release --out "$DEV/wheels"
+    du -sh "$DEV" >&2
+}
+
+build() {
+    local t0=$SECONDS
+    [ -d "$DEV/llama.cpp" ] || {
+        log "no $DEV/llama.cpp: run the prepare phase here and carry .ft-device"
+        exit 2
+    }
+    command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
+    { nvcc --version | tail -1; cmake --version | head -1; } >&2
+    local defs=(-DGGML_NATIVE=OFF)
+    for o in $CPU_OPTIONS; do defs+=("-D$o"); done
+    cmake -S cuda -B "$FT_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DFREETOKEN_LLAMA_SRC="$DEV/llama.cpp" -DFREETOKEN_CUDA_ARCHS="$ARCHS" \
+        -DFREETOKEN_WITH_LLAMA_BENCH=ON "${defs[@]}" >"$OUT/configure.log" 2>&1 || {
+        tail -40 "$OUT/configure.log"
+        exit 1
+    }
+    cmake --build "$FT_BUILD" --target freetoken_cuda llama-bench -j "$(nproc)" \
+        >"$OUT/build.log" 2>&1 || {
+        grep -B2 -A12 -m5 "error" "$OUT/build.log" | head -80
+        tail -20 "$OUT/build.log"
+        exit 1
+    }
+    log "built in $((SECONDS - t0)) s: $(du -h "$FT_BUILD/libfreetoken_cuda.so" | cut -f1) library"
+    nm -D --defined-only "$FT_BUILD/libfreetoken_cuda.so" | awk '{print $3}' | sort >"$OUT/exports.txt"
+    log "exported symbols: $(tr '\n' ' ' <"$OUT/exports.txt")"
+    install_wheel
+}
+
+install_wheel() {
+    rm -rf "$FT_SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$FT_SITE" \
+        "$DEV"/wheels/freetoken-*.whl
+    # The working tree's Python sources over the wheel's: a Python-only change needs no new
+    # wheel (the extension module stays the wheel's).
+    (cd python && find freetoken -name '*.py' -exec cp --parents {} "$FT_SITE/" \;)
+}
+
+env_for_tests() {
+    export PYTHONPATH=$FT_SITE PYTHONUNBUFFERED=1
+    export FREETOKEN_CUDA_LIB=$FT_BUILD/libfreetoken_cuda.so
+}
+
+run_tests() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    [ -d "$FT_SITE/freetoken" ] || install_wheel
+    env_for_tests
+    python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$OUT/test-junit.xml" \
+        tests/test_gpu*.py 2>&1 | tee "$OUT/test.log"
+}
+
+bench() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    [ -d "$FT_SITE/freetoken" ] || install_wheel
+    env_for_tests
+    python3 benches/bench_gpu_experts.py --json "$OUT/bench_gpu_experts.json" 2>&1 |
+        tee "$OUT/bench.log"
+    if [ -n "${FT_BENCH_MODEL:-}" ]; then
+        "$FT_BUILD/bin/llama-bench" -m "$FT_BENCH_MODEL" -ngl 99 -fa 0 -p 512 -n 64 -o json \
+            >"$OUT/llama-bench.json"
+        cat "$OUT/llama-bench.json"
+    fi
+}
+
+[ $# -gt 0 ] || {
+    sed -n '2,17p' "$0"
+    exit 2
+}
+for phase in "$@"; do
+    case $phase in
+    prepare) prepare ;;
+    build) build ;;
+    test) run_tests ;;
+    bench) bench ;;
+    *)
+        log "unknown phase $phase (prepare, build, test, bench)"
+        exit 2
+        ;;
+    esac
+done
