@@ -18,6 +18,8 @@ pub enum Error {
     Io(String),
     /// An allocation that could not be satisfied.
     OutOfMemory(String),
+    /// The GPU failed: a kernel launch, a lost device, a driver error.
+    Device(String),
 }
 
 impl Error {
@@ -29,7 +31,8 @@ impl Error {
             | Error::InvalidInput(m)
             | Error::Gguf(m)
             | Error::Io(m)
-            | Error::OutOfMemory(m) => m,
+            | Error::OutOfMemory(m)
+            | Error::Device(m) => m,
         }
     }
 }

@@ -10,3 +10,103 @@ def quantize(qtype: int, src: int, n: int, n_per_row: int, imatrix: int) -> byte
 def matmul(qtype: int, w: int, w_len: int, n: int, k: int, x: int, t: int, y: int) -> None: ...
 def set_num_threads(n: int) -> None: ...
 def num_threads() -> int: ...
+
+class GGUFFile:
+    def __init__(self, path: str) -> None: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def paths(self) -> list[str]: ...
+    def metadata(self) -> dict[str, object]: ...
+    def tensors(self) -> list[tuple[str, list[int], int, int]]: ...
+    def tensor_address(self, name: str) -> tuple[int, int]: ...
+
+class MoeCounters:
+    def __init__(self, n_layers: int) -> None: ...
+    def expert_counts(self) -> list[list[int]]: ...
+    def snapshot(self) -> list[tuple[int, int, int, int, int, int, int]]: ...
+
+class MoeLayer:
+    def __init__(
+        self,
+        file: GGUFFile,
+        index: int,
+        counters: MoeCounters,
+        up: list[str],
+        down: list[str],
+        gate: list[str] | None = None,
+        gate_up: list[str] | None = None,
+        gate_bias: str | None = None,
+        up_bias: str | None = None,
+        down_bias: str | None = None,
+        act: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ) -> None: ...
+    @property
+    def n_experts(self) -> int: ...
+    @property
+    def types(self) -> tuple[int, int, int]: ...
+    @property
+    def expert_bytes(self) -> int: ...
+
+class MoeTicket:
+    def wait(self) -> None: ...
+
+class MoeExecutor:
+    def __init__(self, n_threads: int) -> None: ...
+    @property
+    def n_threads(self) -> int: ...
+    def run(
+        self, layer: MoeLayer, x: int, x_len: int, ids: int, weights: int, n_routes: int, out: int
+    ) -> None: ...
+    def submit(
+        self,
+        layer: MoeLayer,
+        owners: object,
+        x: int,
+        x_len: int,
+        ids: int,
+        weights: int,
+        n_routes: int,
+        out: int,
+    ) -> MoeTicket: ...
+
+def cuda_status() -> tuple[bool, str, int]: ...
+def cuda_device_info(device: int) -> tuple[str, int, int, int, int]: ...
+def cuda_kernel_for(device: int, qtype: int, n_tokens: int) -> str | None: ...
+def cuda_pool_nbytes(qtype: int, k: int, n: int, n_slots: int) -> int: ...
+def cuda_expert_matmul(
+    device: int,
+    qtype: int,
+    w: int,
+    w_bytes: int,
+    k: int,
+    n: int,
+    n_slots: int,
+    x: int,
+    n_b: int,
+    n_tokens: int,
+    ids: int,
+    n_used: int,
+    y: int,
+    stream: int,
+    check_ids: bool,
+) -> None: ...
+def cuda_moe_layer(
+    device: int,
+    act: str,
+    hidden: int,
+    ffn: int,
+    n_slots: int,
+    n_tokens: int,
+    n_used: int,
+    pools: tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]],
+    x: int,
+    ids: int,
+    weights: int,
+    y: int,
+    stream: int,
+    check_ids: bool,
+    accumulate: bool,
+) -> None: ...

@@ -7,6 +7,7 @@ Every error the Rust core reports arrives as one of these classes (mapped in one
 from __future__ import annotations
 
 __all__ = [
+    "DeviceError",
     "FileAccessError",
     "FreeTokenError",
     "GGUFError",
@@ -40,6 +41,10 @@ class InvalidInputError(FreeTokenError, ValueError):
 
 class OutOfMemoryError(FreeTokenError, MemoryError):
     """An allocation (host, pinned or GPU) that could not be satisfied."""
+
+
+class DeviceError(FreeTokenError):
+    """The GPU failed: a kernel launch, a lost device, a driver error."""
 
 
 class FileAccessError(FreeTokenError, OSError):

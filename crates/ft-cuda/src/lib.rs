@@ -318,8 +318,7 @@ fn status_error(code: i32, msg: String) -> Error {
         2 => Error::Shape(msg),
         3 => Error::Unsupported(msg),
         4 => Error::OutOfMemory(msg),
-        // A failed launch or a lost device: the closest kind the project has.
-        _ => Error::Io(format!("CUDA: {msg}")),
+        _ => Error::Device(format!("CUDA: {msg}")),
     }
 }
 

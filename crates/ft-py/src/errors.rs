@@ -11,6 +11,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::Gguf(_) => "GGUFError",
         Error::Io(_) => "FileAccessError",
         Error::OutOfMemory(_) => "OutOfMemoryError",
+        Error::Device(_) => "DeviceError",
     }
 }
 
