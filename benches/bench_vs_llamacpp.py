@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-import llama_ref  # noqa: E402
+import llama_ref
 
 
 def _run_with_rss(cmd: list[str]) -> tuple[str, float]:
