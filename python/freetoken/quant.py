@@ -157,6 +157,12 @@ class QuantMatrix:
         """The type id."""
         return self.info.id
 
+    @property
+    def spec(self) -> tuple[int, int, int, int]:
+        """(type id, address, bytes, rows): how ``_core.matmul_group`` names this weight; the
+        address stays valid while this object lives."""
+        return (self.info.id, self._buf.ctypes.data, self._buf.nbytes, self.shape[0])
+
     def dequantize(self) -> np.ndarray:
         """The weights as a float32 ``(N, K)`` array."""
         return dequantize(self._buf, self.info.id, self.shape)

@@ -7,6 +7,6 @@ mod moe;
 mod pool;
 
 pub use background::{Background, Ticket};
-pub use matmul::{quantize_rows, QuantWeight};
+pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{moe_forward, Activation, ExpertMats, MoeStats, MoeWeights};
 pub use pool::ThreadPool;

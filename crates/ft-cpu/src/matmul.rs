@@ -69,53 +69,88 @@ impl<'a> QuantWeight<'a> {
     /// y[T, N] = x[T, K] . W^T. Each activation row is quantized once; the rows of W are
     /// split across the pool, each row read once for all T tokens.
     pub fn matmul(&self, pool: &ThreadPool, x: &[f32], y: &mut [f32]) -> Result<()> {
-        let k = self.k();
-        if !x.len().is_multiple_of(k) {
-            return Err(Error::Shape(format!(
-                "input of {} values is not a whole number of rows of {k}",
-                x.len()
-            )));
-        }
-        let t = x.len() / k;
-        if y.len() != t * self.n {
-            return Err(Error::Shape(format!(
-                "output has {} values, expected {t} x {}",
-                y.len(),
-                self.n
-            )));
-        }
-        let acts = quantize_rows(pool, &self.kernel, x)?;
-        self.matmul_quantized(pool, &acts, y)
+        matmul_group(pool, std::slice::from_ref(self), x, &mut [y])
     }
+}
 
-    /// As [`matmul`](Self::matmul) on activations already quantized by [`quantize_rows`] with
-    /// this weight's kernel (so several weights of one vec_dot type share one quantization).
-    pub fn matmul_quantized(&self, pool: &ThreadPool, acts: &[u8], y: &mut [f32]) -> Result<()> {
-        let ab = self.kernel.act_row_bytes();
-        if !acts.len().is_multiple_of(ab) || y.len() != acts.len() / ab * self.n {
-            return Err(Error::Shape(format!(
-                "{} activation bytes and {} outputs do not fit {} rows",
-                acts.len(),
-                y.len(),
-                self.n
-            )));
-        }
-        let n = self.n;
-        let per = rows_per_task(n, pool.n_threads());
-        let out = OutPtr(y.as_mut_ptr());
-        pool.run(n.div_ceil(per), &|task| {
-            for r in task * per..((task + 1) * per).min(n) {
-                let w = self.row(r);
-                for (tok, a) in acts.chunks_exact(ab).enumerate() {
-                    let v = self.kernel.dot(w, a).expect("row sizes checked above");
-                    // SAFETY: tok < T and r < n, so the index is inside y (T * n values), and
-                    // row r belongs to this task alone.
-                    unsafe { *out.get().add(tok * n + r) = v };
-                }
-            }
-        });
-        Ok(())
+/// `ys[i] = x . ws[i]^T` for weights sharing the input (Q, K and V; gate and up): the input is
+/// quantized once per distinct activation type and all the weights' rows go to the pool as
+/// one job, so a group costs one dispatch instead of one per weight.
+pub fn matmul_group(
+    pool: &ThreadPool,
+    ws: &[QuantWeight<'_>],
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+) -> Result<()> {
+    let Some(first) = ws.first() else {
+        return Ok(());
+    };
+    let k = first.k();
+    if ys.len() != ws.len() || ws.iter().any(|w| w.k() != k) {
+        return Err(Error::Shape(format!(
+            "{} weights, {} outputs, row lengths {:?}: a group shares one input",
+            ws.len(),
+            ys.len(),
+            ws.iter().map(QuantWeight::k).collect::<Vec<_>>()
+        )));
     }
+    if !x.len().is_multiple_of(k) {
+        return Err(Error::Shape(format!(
+            "input of {} values is not a whole number of rows of {k}",
+            x.len()
+        )));
+    }
+    let t = x.len() / k;
+    if let Some((w, y)) = ws.iter().zip(ys.iter()).find(|(w, y)| y.len() != t * w.n) {
+        return Err(Error::Shape(format!(
+            "output has {} values, expected {t} x {}",
+            y.len(),
+            w.n
+        )));
+    }
+    // One quantized copy of x per activation type, shared by the weights that use it.
+    let mut acts: Vec<(GgmlType, Vec<u8>)> = Vec::new();
+    for w in ws {
+        let at = w.kernel.act_type();
+        if !acts.iter().any(|(t, _)| *t == at) {
+            acts.push((at, quantize_rows(pool, &w.kernel, x)?));
+        }
+    }
+    let act_of: Vec<&[u8]> = ws
+        .iter()
+        .map(|w| {
+            let at = w.kernel.act_type();
+            acts.iter()
+                .find(|(t, _)| *t == at)
+                .expect("quantized above")
+                .1
+                .as_slice()
+        })
+        .collect();
+    let total: usize = ws.iter().map(|w| w.n).sum();
+    let per = rows_per_task(total, pool.n_threads());
+    // (weight, first row) per task.
+    let tasks: Vec<(usize, usize)> = ws
+        .iter()
+        .enumerate()
+        .flat_map(|(i, w)| (0..w.n).step_by(per).map(move |r| (i, r)))
+        .collect();
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    pool.run(tasks.len(), &|task| {
+        let (i, r0) = tasks[task];
+        let (w, acts, out) = (&ws[i], act_of[i], outs[i]);
+        let ab = w.kernel.act_row_bytes();
+        for r in r0..(r0 + per).min(w.n) {
+            let row = w.row(r);
+            for (tok, a) in acts.chunks_exact(ab).enumerate() {
+                let v = w.kernel.dot(row, a).expect("row sizes checked above");
+                // SAFETY: tok < T and r < n index inside ys[i] (T * n values, checked above),
+                // and row r of weight i belongs to this task alone.
+                unsafe { *out.get().add(tok * w.n + r) = v };
+            }
+        }
+    });
+    Ok(())
 }
 
 /// Quantizes each row of `x` (a whole number of rows of `kernel.k()`) to the kernel's

@@ -122,3 +122,61 @@ pub fn matmul(
     })
     .py_err()
 }
+
+/// `ys[i] = x . W_i^T` for weights `(qtype, address, bytes, n)` sharing `t` rows of `k`
+/// float32 at `x`; `ys[i]` addresses `t * n_i` float32. One quantization of x per activation
+/// type and one pool dispatch for the whole group.
+#[pyfunction]
+pub fn matmul_group(
+    py: Python<'_>,
+    weights: Vec<(u32, usize, usize, usize)>,
+    k: usize,
+    x: usize,
+    t: usize,
+    ys: Vec<usize>,
+) -> PyResult<()> {
+    let types = weights
+        .iter()
+        .map(|w| GgmlType::from_id(w.0))
+        .collect::<Result<Vec<_>>>()
+        .py_err()?;
+    let x_len = t.checked_mul(k).ok_or_else(|| {
+        crate::errors::to_py(freetoken_ggml::Error::Shape(format!("{t} x {k} overflows")))
+    })?;
+    if ys.len() != weights.len() {
+        return Err(crate::errors::to_py(freetoken_ggml::Error::Shape(format!(
+            "{} weights but {} outputs",
+            weights.len(),
+            ys.len()
+        ))));
+    }
+    py.detach(|| -> Result<()> {
+        // SAFETY: the Python caller holds every buffer alive for the call (memory.rs).
+        let xd = unsafe { slice::<f32>(x, x_len, "x")? };
+        let mut qws = Vec::with_capacity(weights.len());
+        let mut outs = Vec::with_capacity(weights.len());
+        let mut y_lens = Vec::with_capacity(ys.len());
+        let mut ranges = vec![(x, x_len * 4)];
+        for (&(_, _, _, n), &y) in weights.iter().zip(&ys) {
+            let y_len = t
+                .checked_mul(n)
+                .ok_or_else(|| freetoken_ggml::Error::Shape(format!("{t} x {n} overflows")))?;
+            y_lens.push(y_len);
+            ranges.push((y, y_len * 4));
+        }
+        // Outputs become &mut slices: none may overlap another or the input.
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|p| p[0].0 + p[0].1 > p[1].0) {
+            return Err(freetoken_ggml::Error::InvalidInput(
+                "matmul_group outputs overlap each other or the input".into(),
+            ));
+        }
+        for (i, &(_, addr, len, n)) in weights.iter().enumerate() {
+            let wd = unsafe { slice::<u8>(addr, len, "weights")? };
+            qws.push(QuantWeight::new(wd, types[i], n, k)?);
+            outs.push(unsafe { slice_mut::<f32>(ys[i], y_lens[i], "y")? });
+        }
+        ft_cpu::matmul_group(&pool(), &qws, xd, &mut outs)
+    })
+    .py_err()
+}

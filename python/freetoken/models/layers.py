@@ -5,21 +5,28 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from freetoken.errors import InvalidInputError
+from freetoken import _core
+from freetoken.errors import GGUFError, InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.quant import QuantMatrix, dequantize
 
 __all__ = [
     "Embedding",
+    "HeadwiseLinear",
     "Linear",
+    "RopeScaling",
     "apply_rope",
     "attention",
     "default_attn_scale",
+    "linear_group",
     "load_vector",
     "rms_norm",
 ]
@@ -31,13 +38,56 @@ class Linear:
     def __init__(self, gguf: GGUFFile, name: str, shape: tuple[int, int]) -> None:
         gguf.expect(f"{name}.weight", shape)
         self.weight: QuantMatrix = gguf.matrix(f"{name}.weight")
+        self.spec = self.weight.spec
+        self.n, self.k = shape
         bias = f"{name}.bias"
         self.bias = load_vector(gguf, bias, shape[0]) if bias in gguf else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight.matmul(x)
-        assert isinstance(y, torch.Tensor)
-        return y + self.bias if self.bias is not None else y
+        return linear_group((self,), x)[0]
+
+
+def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer applied to the same ``x [..., K]`` in one Rust call: one quantization of x
+    per activation type and one thread-pool dispatch for all of them (Q/K/V, gate/up)."""
+    if x.dtype != torch.float32:
+        raise InvalidInputError(f"activations must be float32, got {x.dtype}")
+    x = x.contiguous()
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    ys = [torch.empty((*lead, layer.n), dtype=torch.float32) for layer in layers]
+    _core.matmul_group(
+        [layer.spec for layer in layers],
+        k,
+        x.data_ptr(),
+        x.numel() // k,
+        [y.data_ptr() for y in ys],
+    )
+    return [y if ly.bias is None else y + ly.bias for y, ly in zip(ys, layers, strict=True)]
+
+
+class HeadwiseLinear:
+    """One quantized matrix per head, from a ``[H, N, K]`` tensor: ``x [T, H, K] -> [T, H, N]``
+    (MLA's ``attn_k_b`` and ``attn_v_b``). Each head's rows are a contiguous slice of the
+    mapped tensor, so the heads share the file's bytes."""
+
+    def __init__(self, gguf: GGUFFile, name: str, shape: tuple[int, int, int]) -> None:
+        info = gguf.expect(name, shape)
+        raw = gguf.raw(name)
+        n_heads, n, k = shape
+        size = info.nbytes // n_heads
+        self.heads = [
+            QuantMatrix(raw[h * size : (h + 1) * size], info.qtype, (n, k)) for h in range(n_heads)
+        ]
+        self.n = n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], len(self.heads), self.n)
+        for h, m in enumerate(self.heads):
+            y = m.matmul(x[:, h].contiguous())
+            assert isinstance(y, torch.Tensor)
+            out[:, h] = y
+        return out
 
 
 class Embedding:
@@ -80,6 +130,91 @@ def _inv_freq(base: float, n_rot: int) -> torch.Tensor:
     return base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
 
 
+#: llama.cpp's `rope.scaling.type` default when the key is missing.
+_DEFAULT_SCALING = "linear"
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Context-length scaling of RoPE as llama.cpp sets up a context (``llama-context.cpp``)
+    and ggml applies it (``rope_yarn``): ``freq_scale`` interpolates positions; with YaRN
+    (``ext_factor`` 1) dims below the correction range keep the unscaled angle, a ramp mixes
+    the two between ``beta_fast`` and ``beta_slow`` rotations over ``n_ctx_orig``, and cos/sin
+    are multiplied by ``attn_factor * (1 + 0.1 ln(1 / freq_scale))``."""
+
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+    #: DeepSeek-2's ``mscale_all_dim`` (``yarn_log_multiplier`` / 0.1); 0 when absent.
+    yarn_log_mul: float = 0.0
+
+    @classmethod
+    def from_metadata(
+        cls, meta: Mapping[str, Any], arch: str, read_log_mul: bool = False
+    ) -> RopeScaling:
+        """The scaling of ``arch``'s ``rope.scaling.*`` keys; ``read_log_mul`` reads
+        ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 loader does."""
+        kind = meta.get(f"{arch}.rope.scaling.type", _DEFAULT_SCALING)
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+        freq_scale = 1.0 / factor if factor else 1.0
+        if kind == "none":
+            freq_scale = 1.0
+        elif kind not in ("linear", "yarn"):
+            raise GGUFError(f"rope scaling `{kind}` is not supported")
+        n_ctx_orig = int(
+            meta.get(f"{arch}.rope.scaling.original_context_length", 0)
+            or meta.get(f"{arch}.context_length", 0)
+        )
+        rope_attn_factor = float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0))
+        log_mul = 0.0
+        if read_log_mul and f"{arch}.rope.scaling.yarn_log_multiplier" in meta:
+            # The converter stores 0.1 * mscale_all_dim; llama.cpp undoes the 0.1.
+            log_mul = float(meta[f"{arch}.rope.scaling.yarn_log_multiplier"]) / 0.1
+        ext_factor = 1.0 if kind == "yarn" else 0.0
+        attn_factor = 1.0
+        if ext_factor:
+            f = 1.0 / freq_scale
+            if log_mul:
+                mscale = log_mul if read_log_mul and log_mul != 1.0 else 1.0
+                attn_factor = _yarn_mscale(f, mscale) / _yarn_mscale(f, log_mul)
+            else:
+                attn_factor = _yarn_mscale(f, 1.0)
+            # ggml's rope multiplies this factor back in; llama.cpp cancels it here.
+            attn_factor /= 1.0 + 0.1 * math.log(f)
+        return cls(
+            freq_scale=freq_scale,
+            ext_factor=ext_factor,
+            attn_factor=attn_factor * rope_attn_factor,
+            n_ctx_orig=n_ctx_orig,
+            yarn_log_mul=log_mul,
+        )
+
+    def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
+        """The first and last pair index of the YaRN ramp (ggml_rope_yarn_corr_dims)."""
+
+        def dim(n_turns: float) -> float:
+            return (
+                n_rot * math.log(self.n_ctx_orig / (n_turns * 2 * math.pi)) / (2 * math.log(base))
+            )
+
+        low = max(0.0, math.floor(dim(self.beta_fast)))
+        high = min(n_rot - 1.0, math.ceil(dim(self.beta_slow)))
+        return low, high
+
+    def cos_sin_scale(self, freq_scale: float) -> float:
+        """The factor on cos and sin at ``freq_scale`` (ggml's ``mscale``)."""
+        if self.ext_factor:
+            return self.attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+        return self.attn_factor
+
+
 def apply_rope(
     x: torch.Tensor,
     pos: torch.Tensor,
@@ -88,15 +223,27 @@ def apply_rope(
     scale: float,
     neox: bool,
     freq_factors: torch.Tensor | None = None,
+    yarn: RopeScaling | None = None,
 ) -> torch.Tensor:
     """Rotates the first ``n_rot`` dims of ``x [T, H, D]`` by position. NEOX pairs dim ``i``
-    with ``i + n_rot/2``; the original (llama) layout pairs adjacent dims."""
+    with ``i + n_rot/2``; the original (llama) layout pairs adjacent dims. ``scale`` is the
+    frequency scale; ``yarn`` adds YaRN's ramp and magnitude scaling (see
+    :class:`RopeScaling`)."""
     inv = _inv_freq(base, n_rot)
     if freq_factors is not None:
         inv = inv / freq_factors.to(torch.float64)
     theta = pos.to(torch.float64)[:, None] * inv[None, :] * scale
-    cos = theta.cos().to(x.dtype)[:, None, :]
-    sin = theta.sin().to(x.dtype)[:, None, :]
+    mscale = 1.0
+    if yarn is not None:
+        if yarn.ext_factor:
+            low, high = yarn.corr_dims(n_rot, base)
+            i = torch.arange(n_rot // 2, dtype=torch.float64)
+            ramp = 1 - ((i - low) / max(0.001, high - low)).clamp(0, 1)
+            mix = ramp * yarn.ext_factor
+            theta = theta * (1 - mix) + (theta / scale) * mix
+        mscale = yarn.cos_sin_scale(scale)
+    cos = (theta.cos() * mscale).to(x.dtype)[:, None, :]
+    sin = (theta.sin() * mscale).to(x.dtype)[:, None, :]
     half = n_rot // 2
     if neox:
         x1, x2 = x[..., :half], x[..., half:n_rot]
@@ -115,10 +262,12 @@ def attention(
     start: int,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal grouped-query attention of queries at positions ``start..`` over keys
     ``0..len(k)-1``; with ``window``, a query at ``p`` sees keys ``j`` with ``p - j < window``.
-    ``q [T, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``."""
+    ``q [T, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]``
+    (gpt-oss) are per-head logits that join each softmax's denominator and carry no value."""
     t, h, _ = q.shape
     n_keys = k.shape[0]
     first = 0
@@ -133,6 +282,8 @@ def attention(
         if window:
             allowed &= qpos - kpos < window
         mask = allowed
+    if sinks is not None:
+        k, v, mask = _with_sink(k, v, mask, sinks, t)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1),
@@ -142,6 +293,20 @@ def attention(
         enable_gqa=h != k.shape[1],
     )
     return out.transpose(0, 1).reshape(t, -1)
+
+
+def _with_sink(
+    k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, t: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One more key that every query sees: a zero key (so its score is only the additive
+    mask, the head's sink logit) with a zero value."""
+    k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+    v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+    bias = torch.zeros(sinks.shape[0], t, k.shape[0], dtype=k.dtype)
+    if mask is not None:
+        bias[..., :-1].masked_fill_(~mask, float("-inf"))
+    bias[..., -1] = sinks.to(k.dtype)[:, None]
+    return k, v, bias
 
 
 def default_attn_scale(head_dim: int) -> float:

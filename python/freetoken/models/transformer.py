@@ -1,32 +1,36 @@
-"""The decoder shared by the dense families: each family file says which features it uses
-(biases, q/k norms, sandwich norms, embedding scale, activation, RoPE layout, sliding
-window) and this module runs them."""
+"""The decoder shared by the families: each family file says which features it uses
+(biases, q/k norms, sandwich norms, embedding scale, activation, RoPE layout and scaling,
+sliding window, attention sinks, multi-head latent attention) and this module runs them."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.moe import MoeContext
-from freetoken.errors import InvalidInputError
+from freetoken.errors import GGUFError, InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import (
     Embedding,
+    HeadwiseLinear,
     Linear,
+    RopeScaling,
     apply_rope,
     attention,
     default_attn_scale,
+    linear_group,
     load_vector,
     rms_norm,
 )
 
-__all__ = ["Features", "Transformer"]
+__all__ = ["DenseFFN", "Features", "MLAShape", "Transformer"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -44,6 +48,19 @@ class Features:
     embed_scale: bool = False
     activation: str = "silu"
     swa_pattern: int = 0
+    #: Per-head attention sink logits (``attn_sinks``, gpt-oss).
+    attn_sinks: bool = False
+    #: The name of the norm before the feed-forward (gpt-oss, GLM: ``post_attention_norm``).
+    ffn_norm: str = "ffn_norm"
+    #: Q/K norms where the file has them (GLM-4.5: some sizes do, some do not).
+    optional_qk_norm: bool = False
+    #: Sliding-window layers use the full layers' RoPE base (unless the file gives
+    #: ``rope.freq_base_swa``) and frequency scaling (gpt-oss); else base 10000, no scaling.
+    swa_rope_as_full: bool = False
+    #: Multi-head latent attention (DeepSeek-2/3): compressed q and kv, decoupled RoPE dims.
+    mla: bool = False
+    #: Read ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 does.
+    yarn_log_mul: bool = False
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -52,16 +69,20 @@ FFNFactory = Callable[[GGUFFile, ModelConfig, int], FFN]
 
 
 class DenseFFN:
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``; ``suffix`` names other tensors of the same shape
+    (``_shexp`` for shared experts)."""
 
-    def __init__(self, gguf: GGUFFile, prefix: str, hidden: int, ffn: int, act: str) -> None:
-        self.gate = Linear(gguf, prefix + "ffn_gate", (ffn, hidden))
-        self.up = Linear(gguf, prefix + "ffn_up", (ffn, hidden))
-        self.down = Linear(gguf, prefix + "ffn_down", (hidden, ffn))
+    def __init__(
+        self, gguf: GGUFFile, prefix: str, hidden: int, ffn: int, act: str, suffix: str = ""
+    ) -> None:
+        self.gate = Linear(gguf, f"{prefix}ffn_gate{suffix}", (ffn, hidden))
+        self.up = Linear(gguf, f"{prefix}ffn_up{suffix}", (ffn, hidden))
+        self.down = Linear(gguf, f"{prefix}ffn_down{suffix}", (hidden, ffn))
         self.act = _ACTIVATIONS[act]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        gate, up = linear_group((self.gate, self.up), x)
+        return self.down(self.act(gate) * up)
 
 
 def dense_ffn(feat: Features) -> FFNFactory:
@@ -73,33 +94,121 @@ def dense_ffn(feat: Features) -> FFNFactory:
     return make
 
 
+def _meta_int(meta: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GGUFError(f"metadata `{key}` is {value!r}, expected an integer")
+    return value
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention sizes (llama.cpp's deepseek2 hparams). ``latent``: the file
+    has split ``attn_k_b``/``attn_v_b`` (its ``*_length_mla`` keys say so), so the cache keeps
+    the compressed latent and RoPE key ``[kv_lora + rope]`` per position, one for all heads,
+    and attention runs on it with ``k_b`` absorbed into the queries; otherwise (older files
+    with ``attn_kv_b``) K and V are expanded per head and cached as such."""
+
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+    latent: bool
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any], cfg: ModelConfig) -> MLAShape:
+        """Reads the ``attention.*`` MLA keys of ``cfg.arch``."""
+        a = cfg.arch
+        latent = f"{a}.attention.key_length_mla" in meta
+        k = _meta_int(meta, f"{a}.attention.key_length_mla") if latent else cfg.head_dim
+        v = _meta_int(meta, f"{a}.attention.value_length_mla") if latent else cfg.head_dim_v
+        if k <= cfg.rope_dim:
+            raise GGUFError(f"MLA key length {k} leaves no dims outside RoPE ({cfg.rope_dim})")
+        return cls(
+            q_lora=_meta_int(meta, f"{a}.attention.q_lora_rank", 0),
+            kv_lora=_meta_int(meta, f"{a}.attention.kv_lora_rank"),
+            nope=k - cfg.rope_dim,
+            rope=cfg.rope_dim,
+            v=v,
+            latent=latent,
+        )
+
+
+class MLAWeights:
+    """One layer's MLA projections: q (plain, or ``q_a`` -> norm -> ``q_b``), the compressed
+    kv and RoPE key (``kv_a_mqa``, then ``kv_a_norm``), and its expansion (``k_b``/``v_b``
+    per head, or ``kv_b``)."""
+
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, s: MLAShape, p: str) -> None:
+        h, nh = cfg.hidden, cfg.n_heads
+        self.wq = self.wq_a = self.wq_b = self.q_a_norm = None
+        if s.q_lora:
+            self.wq_a = Linear(gguf, p + "attn_q_a", (s.q_lora, h))
+            self.q_a_norm = load_vector(gguf, p + "attn_q_a_norm.weight", s.q_lora)
+            self.wq_b = Linear(gguf, p + "attn_q_b", (nh * (s.nope + s.rope), s.q_lora))
+        else:
+            self.wq = Linear(gguf, p + "attn_q", (nh * (s.nope + s.rope), h))
+        self.wkv_a = Linear(gguf, p + "attn_kv_a_mqa", (s.kv_lora + s.rope, h))
+        self.kv_a_norm = load_vector(gguf, p + "attn_kv_a_norm.weight", s.kv_lora)
+        self.wk_b = self.wv_b = self.wkv_b = None
+        if s.latent:
+            self.wk_b = HeadwiseLinear(gguf, p + "attn_k_b.weight", (nh, s.kv_lora, s.nope))
+            self.wv_b = HeadwiseLinear(gguf, p + "attn_v_b.weight", (nh, s.v, s.kv_lora))
+        else:
+            self.wkv_b = Linear(gguf, p + "attn_kv_b", (nh * (s.nope + s.v), s.kv_lora))
+
+    def q(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """The queries, ``[T, heads * (nope + rope)]``."""
+        if self.wq is not None:
+            return self.wq(x)
+        assert self.wq_a is not None and self.wq_b is not None and self.q_a_norm is not None
+        return self.wq_b(rms_norm(self.wq_a(x), self.q_a_norm, eps))
+
+
 class Block:
     """One decoder layer's weights."""
 
     def __init__(
-        self, gguf: GGUFFile, cfg: ModelConfig, feat: Features, i: int, make_ffn: FFNFactory
+        self,
+        gguf: GGUFFile,
+        cfg: ModelConfig,
+        feat: Features,
+        i: int,
+        make_ffn: FFNFactory,
+        mla: MLAShape | None = None,
     ) -> None:
         p = f"blk.{i}."
         h, hd, hdv = cfg.hidden, cfg.head_dim, cfg.head_dim_v
         self.attn_norm = load_vector(gguf, p + "attn_norm.weight", h)
-        self.wq = Linear(gguf, p + "attn_q", (cfg.n_heads * hd, h))
-        self.wk = Linear(gguf, p + "attn_k", (cfg.n_kv_heads * hd, h))
-        self.wv = Linear(gguf, p + "attn_v", (cfg.n_kv_heads * hdv, h))
-        self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * hdv))
-        self.ffn_norm = load_vector(gguf, p + "ffn_norm.weight", h)
+        self.mla = MLAWeights(gguf, cfg, mla, p) if mla is not None else None
+        if mla is None:
+            self.wq = Linear(gguf, p + "attn_q", (cfg.n_heads * hd, h))
+            self.wk = Linear(gguf, p + "attn_k", (cfg.n_kv_heads * hd, h))
+            self.wv = Linear(gguf, p + "attn_v", (cfg.n_kv_heads * hdv, h))
+            self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * hdv))
+        else:
+            self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * mla.v))
+        self.ffn_norm = load_vector(gguf, f"{p}{feat.ffn_norm}.weight", h)
         self.ffn = make_ffn(gguf, cfg, i)
         self.q_norm = self.k_norm = self.post_attn_norm = self.post_ffn_norm = None
-        if feat.qk_norm:
+        if feat.qk_norm or (feat.optional_qk_norm and p + "attn_q_norm.weight" in gguf):
             self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", hd)
             self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", hd)
+        self.sinks = None
+        if feat.attn_sinks:
+            self.sinks = load_vector(gguf, p + "attn_sinks.weight", cfg.n_heads)
         if feat.sandwich_norm:
             self.post_attn_norm = load_vector(gguf, p + "post_attention_norm.weight", h)
             self.post_ffn_norm = load_vector(gguf, p + "post_ffw_norm.weight", h)
         self.swa = cfg.swa_layers[i]
+        #: RoPE base and frequency scale of this layer (set by the Transformer).
+        self.rope_base = cfg.rope_base
+        self.rope_scale = 1.0
 
 
 class Transformer:
-    """A dense decoder-only model over a mapped GGUF file."""
+    """A decoder-only model over a mapped GGUF file (dense, or MoE through ``make_ffn``)."""
 
     def __init__(
         self,
@@ -110,16 +219,38 @@ class Transformer:
         progress: Callable[[int, int], None] | None = None,
         make_ffn: FFNFactory | None = None,
     ) -> None:
+        meta = gguf.metadata
+        # Trailing multi-token-prediction blocks (GLM-4.5, DeepSeek-3) are not decoder layers.
+        nextn = _meta_int(meta, f"{cfg.arch}.nextn_predict_layers", 0)
+        if 0 < nextn < cfg.n_layers:
+            n = cfg.n_layers - nextn
+            cfg = replace(cfg, n_layers=n, swa_layers=cfg.swa_layers[:n])
         self.cfg = cfg
         self.feat = feat
         #: The MoE executor and counters of MoE families (set by ``load_model``).
         self.moe: MoeContext | None = None
+        self.rope = RopeScaling.from_metadata(meta, cfg.arch, feat.yarn_log_mul)
+        self.mla = MLAShape.from_metadata(meta, cfg) if feat.mla else None
         self.attn_scale = attn_scale or default_attn_scale(cfg.head_dim)
+        if self.mla is not None:
+            # llama.cpp's deepseek2: YaRN's mscale (from mscale_all_dim) squared, over the
+            # per-head key size.
+            mscale = self.rope.attn_factor * (1.0 + 0.1 * math.log(1.0 / self.rope.freq_scale))
+            mscale *= 1.0 + 0.1 * self.rope.yarn_log_mul * math.log(1.0 / self.rope.freq_scale)
+            self.attn_scale = mscale * mscale / math.sqrt(self.mla.nope + self.mla.rope)
         make_ffn = make_ffn or dense_ffn(feat)
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.blocks = []
+        swa_base = meta.get(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base)
         for i in range(cfg.n_layers):
-            self.blocks.append(Block(gguf, cfg, feat, i, make_ffn))
+            blk = Block(gguf, cfg, feat, i, make_ffn, self.mla)
+            if not blk.swa:
+                blk.rope_scale = self.rope.freq_scale
+            elif feat.swa_rope_as_full:
+                blk.rope_base, blk.rope_scale = float(swa_base), self.rope.freq_scale
+            else:
+                blk.rope_base = cfg.rope_base_swa
+            self.blocks.append(blk)
             if progress:
                 progress(i + 1, cfg.n_layers)
         self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
@@ -133,7 +264,12 @@ class Transformer:
 
     def new_cache(self, n_ctx: int) -> KVCache:
         """An empty KV cache for one sequence of up to ``n_ctx`` tokens."""
-        c = self.cfg
+        c, m = self.cfg, self.mla
+        if m is not None and m.latent:
+            # The latent and RoPE key are the keys; the values are the latent part of them.
+            return KVCache(c.n_layers, n_ctx, 1, m.kv_lora + m.rope, 0)
+        if m is not None:
+            return KVCache(c.n_layers, n_ctx, c.n_heads, m.nope + m.rope, m.v)
         return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, c.head_dim_v)
 
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -182,26 +318,12 @@ class Transformer:
         pos: torch.Tensor,
         spans: list[tuple[int, int, KVCache]],
     ) -> torch.Tensor:
-        cfg, feat = self.cfg, self.feat
-        t = x.shape[0]
+        cfg = self.cfg
         h = rms_norm(x, blk.attn_norm, cfg.norm_eps)
-        q = blk.wq(h).view(t, cfg.n_heads, cfg.head_dim)
-        k = blk.wk(h).view(t, cfg.n_kv_heads, cfg.head_dim)
-        v = blk.wv(h).view(t, cfg.n_kv_heads, cfg.head_dim_v)
-        if blk.q_norm is not None and blk.k_norm is not None:
-            q = rms_norm(q, blk.q_norm, cfg.norm_eps)
-            k = rms_norm(k, blk.k_norm, cfg.norm_eps)
-        base = cfg.rope_base_swa if blk.swa else cfg.rope_base
-        scale = 1.0 if blk.swa else cfg.rope_scale
-        q = apply_rope(q, pos, base, cfg.rope_dim, scale, feat.rope_neox, self.rope_factors)
-        k = apply_rope(k, pos, base, cfg.rope_dim, scale, feat.rope_neox, self.rope_factors)
-        window = cfg.sliding_window if blk.swa else 0
-        outs, row = [], 0
-        for start, n, cache in spans:
-            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
-            outs.append(attention(q[row : row + n], k_all, v_all, start, self.attn_scale, window))
-            row += n
-        a = blk.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
+        if blk.mla is not None:
+            a = blk.wo(self._mla_attention(i, blk.mla, blk, h, pos, spans))
+        else:
+            a = blk.wo(self._attention(i, blk, h, pos, spans))
         if blk.post_attn_norm is not None:
             a = rms_norm(a, blk.post_attn_norm, cfg.norm_eps)
         x = x + a
@@ -210,3 +332,87 @@ class Transformer:
         if blk.post_ffn_norm is not None:
             f = rms_norm(f, blk.post_ffn_norm, cfg.norm_eps)
         return x + f
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, blk: Block, n_rot: int) -> torch.Tensor:
+        return apply_rope(
+            x,
+            pos,
+            blk.rope_base,
+            n_rot,
+            blk.rope_scale,
+            self.feat.rope_neox,
+            self.rope_factors,
+            self.rope,
+        )
+
+    def _attention(
+        self,
+        i: int,
+        blk: Block,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        spans: list[tuple[int, int, KVCache]],
+    ) -> torch.Tensor:
+        """Grouped-query attention of layer ``i``, before the output projection."""
+        cfg = self.cfg
+        t = h.shape[0]
+        q, k, v = linear_group((blk.wq, blk.wk, blk.wv), h)
+        q = q.view(t, cfg.n_heads, cfg.head_dim)
+        k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.n_kv_heads, cfg.head_dim_v)
+        if blk.q_norm is not None and blk.k_norm is not None:
+            q = rms_norm(q, blk.q_norm, cfg.norm_eps)
+            k = rms_norm(k, blk.k_norm, cfg.norm_eps)
+        q = self._rope(q, pos, blk, cfg.rope_dim)
+        k = self._rope(k, pos, blk, cfg.rope_dim)
+        window = cfg.sliding_window if blk.swa else 0
+        outs, row = [], 0
+        for start, n, cache in spans:
+            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
+            outs.append(
+                attention(q[row : row + n], k_all, v_all, start, self.attn_scale, window, blk.sinks)
+            )
+            row += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _mla_attention(
+        self,
+        i: int,
+        w: MLAWeights,
+        blk: Block,
+        h: torch.Tensor,
+        pos: torch.Tensor,
+        spans: list[tuple[int, int, KVCache]],
+    ) -> torch.Tensor:
+        """Multi-head latent attention of layer ``i`` (see :class:`MLAShape`), before the
+        output projection: ``[T, heads * v]``."""
+        cfg, s = self.cfg, self.mla
+        assert s is not None
+        t, nh, eps = h.shape[0], cfg.n_heads, cfg.norm_eps
+        q_nope, q_pe = w.q(h, eps).view(t, nh, s.nope + s.rope).split([s.nope, s.rope], -1)
+        q_pe = self._rope(q_pe, pos, blk, s.rope)
+        c, k_pe = w.wkv_a(h).split([s.kv_lora, s.rope], -1)
+        c = rms_norm(c, w.kv_a_norm, eps)
+        k_pe = self._rope(k_pe.reshape(t, 1, s.rope), pos, blk, s.rope)
+        if w.wk_b is not None and w.wv_b is not None:
+            # Absorb k_b into the queries: q_nope . (k_b c) = (k_b^T q_nope) . c, so every
+            # head attends over the one cached latent; v_b expands the result per head.
+            q = torch.cat([w.wk_b(q_nope), q_pe], -1)
+            k = torch.cat([c.view(t, 1, s.kv_lora), k_pe], -1)
+            v = k.new_empty(t, 1, 0)
+        else:
+            assert w.wkv_b is not None
+            k_nope, v = w.wkv_b(c).view(t, nh, s.nope + s.v).split([s.nope, s.v], -1)
+            q = torch.cat([q_nope, q_pe], -1)
+            k = torch.cat([k_nope, k_pe.expand(t, nh, s.rope)], -1)
+        outs, row = [], 0
+        for start, n, cache in spans:
+            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
+            if s.latent:
+                v_all = k_all[..., : s.kv_lora]
+            outs.append(attention(q[row : row + n], k_all, v_all, start, self.attn_scale))
+            row += n
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if w.wv_b is not None:
+            o = w.wv_b(o.view(t, nh, s.kv_lora)).reshape(t, nh * s.v)
+        return o
