@@ -46,6 +46,19 @@ fn t_to_float(t: GgmlType) -> Result<ffi::ToFloat> {
         .ok_or_else(|| Error::Unsupported(format!("ggml has no dequantization for {t}")))
 }
 
+/// Importance weights beyond this overflow ggml's IQ searches (which then abort).
+const MAX_IMPORTANCE: f32 = 1e10;
+
+/// The largest magnitude `t` can represent: block scales of the quantized types are f16
+/// (NVFP4's e4m3 times fp4), and ggml's IQ grid searches abort on values far beyond that.
+fn max_magnitude(t: GgmlType) -> f32 {
+    match t {
+        GgmlType::F32 | GgmlType::BF16 => f32::MAX,
+        GgmlType::NVFP4 => 448.0 * 6.0,
+        _ => 65504.0,
+    }
+}
+
 /// Quantizes `src`, rows of `n_per_row` floats, to `t`. `imatrix` (one weight per column) is
 /// used by the types that take one and ignored by the rest; types that require one fail
 /// without it. NaN or infinite input is an error.
@@ -74,6 +87,14 @@ pub fn quantize(
             src[i]
         )));
     }
+    let limit = max_magnitude(t);
+    if let Some(i) = src.iter().position(|v| v.abs() > limit) {
+        return Err(Error::InvalidInput(format!(
+            "cannot quantize {} at index {i} to {t}: magnitudes above {limit:e} do not fit \
+             its scales",
+            src[i]
+        )));
+    }
     if let Some(im) = imatrix {
         if im.len() != n_per_row {
             return Err(Error::Shape(format!(
@@ -81,10 +102,14 @@ pub fn quantize(
                 im.len()
             )));
         }
-        if im.iter().any(|v| !v.is_finite() || *v < 0.0) {
-            return Err(Error::InvalidInput(
-                "importance matrix values must be finite and non-negative".into(),
-            ));
+        if im
+            .iter()
+            .any(|v| !v.is_finite() || *v < 0.0 || *v > MAX_IMPORTANCE)
+        {
+            return Err(Error::InvalidInput(format!(
+                "importance matrix values must be finite and non-negative, at most \
+                 {MAX_IMPORTANCE:e}"
+            )));
         }
     } else if t.requires_imatrix() {
         return Err(Error::InvalidInput(format!(
@@ -142,8 +167,8 @@ impl VecDot {
             Error::Unsupported(format!("ggml-cpu cannot quantize activations to {act}"))
         })?;
         // ggml's dot products take the length as a C int.
-        if i32::try_from(k).is_err() {
-            return Err(Error::Shape(format!("row length {k} is too large")));
+        if k == 0 || i32::try_from(k).is_err() {
+            return Err(Error::Shape(format!("row length {k} is out of range")));
         }
         Ok(VecDot {
             weight,

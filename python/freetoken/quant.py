@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from freetoken import _core
-from freetoken.errors import InvalidInputError, ShapeError
+from freetoken.errors import InvalidInputError, ShapeError, UnsupportedError
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,8 @@ def qtype_id(qtype: QType) -> int:
     if isinstance(qtype, str):
         return _core.type_from_name(qtype)
     if isinstance(qtype, (int, np.integer)) and not isinstance(qtype, bool):
+        if not 0 <= int(qtype) < 2**32:
+            raise UnsupportedError(f"tensor type id {qtype} is unsupported: not a ggml type id")
         return int(qtype)
     raise InvalidInputError(f"qtype must be a type name or id, not {type(qtype).__name__}")
 
