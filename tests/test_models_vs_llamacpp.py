@@ -59,9 +59,7 @@ def check_teacher_forced(
 def test_default_model_tracks_llamacpp(default_model: Path, llama_ref_root: Path) -> None:
     # Measured here: mean KL 0.0006-0.0095 per prompt, at most 2 of 64 argmax differences
     # outside near-ties; the 0.005 / 0 is not met on three of the five prompts.
-    check_teacher_forced(
-        default_model, llama_ref_root, 64, PROMPTS, max_kl=0.012, max_mismatches=2
-    )
+    check_teacher_forced(default_model, llama_ref_root, 64, PROMPTS, max_kl=0.012, max_mismatches=2)
 
 
 SYNTHETIC_PROMPTS = [
