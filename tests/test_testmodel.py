@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -801,3 +802,391 @@ def test_peakedness_backend_errors(arch_models: dict[str, Path]) -> None:
         check_peakedness(arch_models["llama"], backend="nope")
     with pytest.raises(FreeTokenError, match="empty"):
         check_peakedness(arch_models["llama"], prompt_tokens=[], backend="llama.cpp")
+
+
+# --------------------------------------------------------------------------------------------
+# MoE architectures: layouts and metadata as llama.cpp's loaders want them, llama.cpp loading
+# them, layers that matter and routing that is not degenerate
+# --------------------------------------------------------------------------------------------
+
+ME, MK, MI = 4, 2, 32  # experts, top-k, expert FFN width
+
+#: case: (arch, make_test_model arguments beyond the common ones)
+MOE_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3moe": ("qwen3moe", {"head_dim": 32}),
+    "qwen2moe": ("qwen2moe", {"shared_experts": 2}),
+    "mixtral": ("llama", {}),
+    "mixtral-per-expert": ("llama", {"expert_layout": "per-expert"}),
+    "olmoe": ("olmoe", {"kv_heads": 4}),
+    "gpt-oss": ("gpt-oss", {"head_dim": 32, "sliding_window": 8, "quant": "q8_0,exps=mxfp4"}),
+    "glm4moe": (
+        "glm4moe",
+        {"layers": 3, "head_dim": 32, "leading_dense": 1, "qk_norm": True, "expert_groups": 2,
+         "expert_groups_used": 1, "expert_weights_scale": 2.5},
+    ),
+    "deepseek2": (
+        "deepseek2",
+        {"layers": 3, "kv_heads": 4, "head_dim": 48, "rope_dim": 16, "q_lora_rank": 32,
+         "kv_lora_rank": 32, "leading_dense": 1, "expert_weights_scale": 2.5},
+    ),
+    "deepseek2-lite": (
+        "deepseek2",
+        {"kv_heads": 4, "head_dim": 48, "rope_dim": 16, "q_lora_rank": 0, "kv_lora_rank": 32,
+         "v_head_dim": 16, "expert_gating": "softmax", "expert_weights_norm": False},
+    ),
+}  # fmt: skip
+
+
+def _moe_args(case: str) -> tuple[str, dict[str, Any]]:
+    arch, extra = MOE_CASES[case]
+    args: dict[str, Any] = dict(
+        layers=L, hidden=H, ffn=F, heads=NH, kv_heads=NKV, experts=ME, top_k=MK, expert_ffn=MI,
+        seed=3, quant="q8_0",
+    )  # fmt: skip
+    args.update(extra)
+    return arch, args
+
+
+def expected_moe_layout(case: str, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Names and numpy shapes from llama.cpp's loaders (src/models/<arch>.cpp)."""
+    arch, a = _moe_args(case)
+    hd = a.get("head_dim", H // NH)
+    nq, nkv = NH * hd, a["kv_heads"] * hd
+    t: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (vocab, H),
+        "output_norm.weight": (H,),
+        "output.weight": (vocab, H),
+    }
+    for i in range(a["layers"]):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = (H,)
+        if arch == "deepseek2":
+            rope, kvl, ql = a["rope_dim"], a["kv_lora_rank"], a["q_lora_rank"]
+            v = a.get("v_head_dim", hd - rope)
+            if ql:
+                t |= {
+                    b + "attn_q_a.weight": (ql, H),
+                    b + "attn_q_a_norm.weight": (ql,),
+                    b + "attn_q_b.weight": (NH * hd, ql),
+                }
+            else:
+                t[b + "attn_q.weight"] = (NH * hd, H)
+            t |= {
+                b + "attn_kv_a_mqa.weight": (kvl + rope, H),
+                b + "attn_kv_a_norm.weight": (kvl,),
+                b + "attn_k_b.weight": (NH, kvl, hd - rope),
+                b + "attn_v_b.weight": (NH, v, kvl),
+                b + "attn_output.weight": (H, NH * v),
+            }
+        else:
+            t |= {
+                b + "attn_q.weight": (nq, H),
+                b + "attn_k.weight": (nkv, H),
+                b + "attn_v.weight": (nkv, H),
+                b + "attn_output.weight": (H, nq),
+            }
+        if arch in ("qwen2moe", "gpt-oss", "glm4moe"):
+            t |= {b + "attn_q.bias": (nq,), b + "attn_k.bias": (nkv,), b + "attn_v.bias": (nkv,)}
+        if arch in ("qwen3moe", "glm4moe"):
+            t |= {b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)}
+        if arch == "olmoe":
+            t |= {b + "attn_q_norm.weight": (H,), b + "attn_k_norm.weight": (H,)}
+        if arch == "gpt-oss":
+            t |= {b + "attn_output.bias": (H,), b + "attn_sinks.weight": (NH,)}
+        if arch in ("gpt-oss", "glm4moe"):
+            t[b + "post_attention_norm.weight"] = (H,)
+        else:
+            t[b + "ffn_norm.weight"] = (H,)
+        if i < a.get("leading_dense", 0):
+            t |= {b + "ffn_gate.weight": (F, H), b + "ffn_up.weight": (F, H)}
+            t[b + "ffn_down.weight"] = (H, F)
+            continue
+        t[b + "ffn_gate_inp.weight"] = (ME, H)
+        if a.get("expert_layout") == "per-expert":
+            for e in range(ME):
+                t |= {f"{b}ffn_gate.{e}.weight": (MI, H), f"{b}ffn_up.{e}.weight": (MI, H)}
+                t[f"{b}ffn_down.{e}.weight"] = (H, MI)
+        else:
+            t |= {b + "ffn_gate_exps.weight": (ME, MI, H), b + "ffn_up_exps.weight": (ME, MI, H)}
+            t[b + "ffn_down_exps.weight"] = (ME, H, MI)
+        if arch == "gpt-oss":
+            t |= {
+                b + "ffn_gate_inp.bias": (ME,),
+                b + "ffn_gate_exps.bias": (ME, MI),
+                b + "ffn_up_exps.bias": (ME, MI),
+                b + "ffn_down_exps.bias": (ME, H),
+            }
+        if arch == "glm4moe" or (arch == "deepseek2" and a.get("expert_gating") != "softmax"):
+            t[b + "exp_probs_b.bias"] = (ME,)
+        shared = {"qwen2moe": a.get("shared_experts", 1), "glm4moe": 1, "deepseek2": 1}
+        if arch in shared:
+            s = shared[arch] * MI
+            t |= {b + "ffn_gate_shexp.weight": (s, H), b + "ffn_up_shexp.weight": (s, H)}
+            t[b + "ffn_down_shexp.weight"] = (H, s)
+        if arch == "qwen2moe":
+            t[b + "ffn_gate_inp_shexp.weight"] = (H,)
+    return t
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory, spm_vocab: Path) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("moe_archs")
+    models = {}
+    for case in MOE_CASES:
+        arch, args = _moe_args(case)
+        models[case] = make_test_model(
+            arch, vocab=spm_vocab, out=out / f"{case}.gguf", log=lambda line: None, **args
+        )
+    return models
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_layout(case: str, moe_models: dict[str, Path]) -> None:
+    r = _reader(moe_models[case])
+    got = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in r.tensors}
+    assert got == expected_moe_layout(case, 32000)
+    exps_type = Q.MXFP4 if case == "gpt-oss" else Q.Q8_0
+    for t in r.tensors:
+        if len(t.shape) == 1 or t.name.endswith(("ffn_gate_inp.weight", ".bias")):
+            want = Q.F32  # norms, biases, sinks and routers
+        elif "_exps." in t.name:
+            want = exps_type
+        else:
+            want = Q.Q8_0
+        assert t.tensor_type == want, t.name
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_metadata(case: str, moe_models: dict[str, Path]) -> None:
+    arch, a = _moe_args(case)
+    meta = _fields(_reader(moe_models[case]))
+    k = f"{arch}."
+    assert meta["general.architecture"] == arch
+    assert meta[k + "expert_count"] == ME and meta[k + "expert_used_count"] == MK
+    if arch in ("llama", "olmoe"):
+        # Their loaders size the experts by feed_forward_length.
+        assert (
+            meta[k + "feed_forward_length"] == MI and k + "expert_feed_forward_length" not in meta
+        )
+    else:
+        assert meta[k + "feed_forward_length"] == F and meta[k + "expert_feed_forward_length"] == MI
+    if arch == "qwen2moe":
+        assert meta[k + "expert_shared_feed_forward_length"] == 2 * MI
+    if arch in ("glm4moe", "deepseek2"):
+        sigmoid = a.get("expert_gating", "sigmoid") == "sigmoid"
+        assert meta[k + "expert_shared_count"] == 1
+        assert meta[k + "leading_dense_block_count"] == a.get("leading_dense", 0)
+        assert meta[k + "expert_gating_func"] == (2 if sigmoid else 1)
+        assert meta[k + "expert_weights_scale"] == a.get("expert_weights_scale", 1.0)
+        assert meta[k + "expert_weights_norm"] == a.get("expert_weights_norm", True)
+        assert meta[k + "rope.dimension_count"] == a.get("rope_dim", 16)
+    if arch == "glm4moe":
+        assert meta[k + "expert_group_count"] == 2 and meta[k + "expert_group_used_count"] == 1
+    else:
+        assert k + "expert_group_count" not in meta
+    if arch == "deepseek2":
+        kvl, rope = a["kv_lora_rank"], a["rope_dim"]
+        assert meta[k + "attention.head_count_kv"] == 1
+        assert meta[k + "attention.q_lora_rank"] == a["q_lora_rank"]
+        assert meta[k + "attention.kv_lora_rank"] == kvl
+        assert meta[k + "attention.key_length"] == kvl + rope
+        assert meta[k + "attention.value_length"] == kvl
+        assert meta[k + "attention.key_length_mla"] == a["head_dim"]
+        assert meta[k + "attention.value_length_mla"] == a.get("v_head_dim", a["head_dim"] - rope)
+    if arch == "gpt-oss":
+        assert meta[k + "attention.sliding_window"] == 8
+        assert meta[k + "attention.key_length"] == 32
+        assert k + "attention.sliding_window_pattern" not in meta  # llama.cpp's default: 2
+    if arch == "llama":
+        assert meta["llama.rope.dimension_count"] == H // NH
+
+
+def test_moe_per_expert_layout_same_weights(moe_models: dict[str, Path], spm_vocab: Path) -> None:
+    """Both Mixtral layouts of one seed hold the same experts, byte for byte."""
+    stacked = {t.name: t for t in _reader(moe_models["mixtral"]).tensors}
+    split = {t.name: t for t in _reader(moe_models["mixtral-per-expert"]).tensors}
+    for i in range(L):
+        for kind in ("gate", "up", "down"):
+            whole = np.asarray(stacked[f"blk.{i}.ffn_{kind}_exps.weight"].data)
+            for e in range(ME):
+                assert np.array_equal(np.asarray(split[f"blk.{i}.ffn_{kind}.{e}.weight"].data),
+                                      whole[e])  # fmt: skip
+    # And the regenerated sources agree with the file.
+    arch = MOE_CASES["mixtral-per-expert"][0]
+    cfg = build_config(
+        arch, layers=L, hidden=H, ffn=F, heads=NH, kv_heads=NKV, head_dim=None,
+        vocab_size=32000, experts=ME, top_k=MK, expert_ffn=MI, expert_layout="per-expert",
+    )  # fmt: skip
+    names = [f"blk.1.ffn_down.{e}.weight" for e in range(ME)] + ["blk.1.ffn_gate_inp.weight"]
+    for tdef, src in source_tensors(arch, cfg, 3, read_vocab(spm_vocab), names):
+        t = split[tdef.name]
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(src.shape)
+        err = np.sqrt(np.mean((got - src) ** 2) / np.mean(src**2))
+        assert err <= REL_ERR[t.tensor_type.name], tdef.name
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "message"),
+    [
+        ("qwen2", {"experts": 4}, "qwen2 has no option experts"),
+        ("llama", {"top_k": 2}, "top-k needs experts"),
+        ("llama", {"experts": 4, "rope_dim": 8}, "llama has no option rope-dim"),
+        ("qwen3moe", {"top_k": 5}, "top-k must be in 1..4"),
+        ("qwen3moe", {"shared_experts": 1}, "takes 0..0 shared experts"),
+        ("qwen2moe", {"shared_experts": 0}, "llama.cpp requires them"),
+        ("glm4moe", {"shared_experts": 0}, "llama.cpp requires them"),
+        ("qwen3moe", {"expert_layout": "per-expert"}, "no option expert-layout"),
+        ("glm4moe", {"leading_dense": 2}, "leading-dense must be in 0..1"),
+        ("glm4moe", {"expert_groups": 3}, "do not split into 3 groups"),
+        ("glm4moe", {"expert_groups": 2, "expert_groups_used": 2}, "expert-groups-used must be"),
+        ("deepseek2", {"rope_dim": 16}, "rope-dim must be even and in 2..15"),
+        ("deepseek2", {"kv_heads": 2}, "has no kv_heads"),
+        ("deepseek2", {"expert_gating": "softmax_weight"}, "softmax or sigmoid"),
+        ("olmoe", {"kv_heads": 2}, "olmoe needs kv_heads == heads"),
+        ("gpt-oss", {"sliding_window": 0}, "needs a sliding window"),
+        ("qwen2moe", {"tied": True}, "requires output.weight"),
+        ("qwen3moe", {"experts": 4, "bogus": 1}, "unknown model options: bogus"),
+    ],
+)
+def test_moe_bad_arguments(
+    tmp_path: Path, spm_vocab: Path, arch: str, extra: dict, message: str
+) -> None:
+    args: dict[str, Any] = dict(layers=2, hidden=64, ffn=64, heads=4, experts=4, top_k=2)
+    if arch in ("qwen2", "llama"):
+        del args["experts"], args["top_k"]
+    args.update(extra)
+    with pytest.raises(InvalidInputError, match=message):
+        make_test_model(arch, vocab=spm_vocab, out=tmp_path / "x.gguf", **args)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_routed_power() -> None:
+    from freetoken.testmodel.archs import RoutingSpec
+    from freetoken.testmodel.writer import routed_power
+
+    # Top-1 renormalized: one weight of exactly `scale`.
+    assert routed_power(RoutingSpec("softmax", 1, True, 2.5), 8) == pytest.approx(6.25)
+    assert routed_power(RoutingSpec("sigmoid", 1, True), 8) == pytest.approx(1.0)
+    # Renormalized top-k over k: between 1/k and 1; without renormalization, less.
+    norm = routed_power(RoutingSpec("softmax", 4, True), 16)
+    plain = routed_power(RoutingSpec("softmax", 4, False), 16)
+    assert 0.25 < norm < 1.0 and plain < norm
+    grouped = routed_power(RoutingSpec("sigmoid", 4, True, 1.0, 4, 2, True), 16)
+    assert 0.25 < grouped < 1.0
+
+
+def test_cli_run_moe(tmp_path: Path, spm_vocab: Path) -> None:
+    out = tmp_path / "ds.gguf"
+    args = _parser().parse_args(
+        [
+            "--arch", "deepseek2", "--layers", "3", "--hidden", "64", "--ffn", "96",
+            "--heads", "2", "--head-dim", "48", "--vocab", str(spm_vocab), "-o", str(out),
+            "--experts", "8", "--top-k", "3", "--expert-ffn", "32", "--shared-experts", "2",
+            "--leading-dense", "1", "--expert-groups", "4", "--expert-groups-used", "2",
+            "--expert-weights-scale", "2.5", "--expert-weights-norm", "off",
+            "--rope-dim", "16", "--q-lora-rank", "0", "--kv-lora-rank", "64",
+            "--v-head-dim", "32", "--quant", "q8_0,exps=q4_0,blk.2.ffn_down_exps=q5_0",
+            "--check", "none",
+        ]
+    )  # fmt: skip
+    assert run(args) == 0
+    r = gguf.GGUFReader(out)
+    meta = _fields(r)
+    assert meta["deepseek2.expert_count"] == 8 and meta["deepseek2.expert_used_count"] == 3
+    assert meta["deepseek2.expert_shared_count"] == 2
+    assert meta["deepseek2.expert_group_count"] == 4
+    assert meta["deepseek2.expert_weights_norm"] is False
+    assert meta["deepseek2.attention.q_lora_rank"] == 0
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q4_0"
+    assert types["blk.2.ffn_down_exps.weight"] == "Q5_0"
+    assert "blk.1.attn_q.weight" in types and "blk.1.attn_q_a.weight" not in types
+    assert _parser().parse_args(["--arch", "llama", "-o", "x", "--expert-weights-norm", "on"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in MOE_CASES if c != "mixtral-per-expert"])
+def test_moe_llama_cpp_loads(case: str, moe_models: dict[str, Path], llama_ref) -> None:
+    from freetoken.testmodel.check import default_prompt
+
+    path = moe_models[case]
+    tokens = default_prompt(path)
+    with llama_ref.LlamaRef.load(path, n_ctx=128, n_threads=2) as ref:
+        logits = ref.logits(tokens)
+    assert logits.shape == (len(tokens), 32000)
+    assert np.isfinite(logits).all()
+    assert _softmax(logits).max(axis=-1).mean() >= 0.2
+
+
+@pytest.mark.slow
+def test_moe_per_expert_layout_not_in_llama_cpp(moe_models: dict[str, Path], llama_ref) -> None:
+    """This llama.cpp has dropped the per-expert tensors (FreeToken still reads them)."""
+    with pytest.raises(RuntimeError, match="could not load"):
+        llama_ref.LlamaRef.load(moe_models["mixtral-per-expert"], n_ctx=64, n_threads=2)
+
+
+#: Larger models for the checks below: 8 experts, so routing has room to vary.
+MATTER_CASES = ["qwen3moe", "qwen2moe", "mixtral", "olmoe", "gpt-oss", "glm4moe", "deepseek2"]
+
+
+def _matter_model(tmp_path: Path, spm_vocab: Path, case: str) -> Path:
+    arch, args = _moe_args(case)
+    args.update(layers=max(args["layers"], 2), hidden=128, experts=8, top_k=2, expert_ffn=64)
+    if case == "glm4moe":
+        args.update(expert_groups=4, expert_groups_used=2)
+    if case in ("qwen2moe", "olmoe"):
+        args.update(head_dim=32)
+    return make_test_model(arch, vocab=spm_vocab, out=tmp_path / "m.gguf", **args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATTER_CASES)
+def test_moe_layers_matter(tmp_path: Path, spm_vocab: Path, llama_ref, case: str) -> None:
+    """Zeroing any MoE layer's routed experts (their down projections) moves llama.cpp's
+    distribution far beyond the tests' KL tolerance (0.005)."""
+    from freetoken.testmodel.check import default_prompt
+
+    path = _matter_model(tmp_path, spm_vocab, case)
+    tokens = default_prompt(path)
+
+    def probs(p: Path) -> np.ndarray:
+        with llama_ref.LlamaRef.load(p, n_ctx=128, n_threads=2) as ref:
+            return _softmax(ref.logits(tokens))
+
+    base = probs(path)
+    where = {t.name: (int(t.data_offset), int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors}
+    moe_layers = [n for n in where if n.endswith("ffn_down_exps.weight")]
+    assert moe_layers
+    for name in moe_layers:
+        copy = tmp_path / "ablated.gguf"
+        shutil.copy(path, copy)
+        offset, size = where[name]
+        with open(copy, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(size))  # zero blocks: scale 0 (Q8_0) / zero nibbles (MXFP4)
+        p = probs(copy)
+        kl = float((base * (np.log(base) - np.log(p))).sum(axis=-1).mean())
+        assert kl > 0.05, (name, kl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATTER_CASES)
+def test_moe_routing_spread(tmp_path: Path, spm_vocab: Path, case: str) -> None:
+    """Over the check prompt every MoE layer uses most experts and none takes the bulk of
+    the routes (counted by FreeToken's expert executor)."""
+    from freetoken.llm import LLM
+    from freetoken.testmodel.check import default_prompt
+
+    path = _matter_model(tmp_path, spm_vocab, case)
+    tokens = default_prompt(path)
+    llm = LLM(path, n_ctx=128)
+    assert llm.model.moe is not None
+    llm.logits(tokens)
+    # Dense layers (leading_dense) have no counts.
+    used = [np.asarray(c) for c in llm.model.moe.counters.expert_counts() if sum(c)]
+    assert len(used) >= 1
+    for layer in used:
+        assert layer.sum() == 2 * len(tokens)
+        assert (layer > 0).sum() >= 6, layer
+        assert layer.max() <= 0.4 * layer.sum(), layer

@@ -9,7 +9,15 @@ from freetoken import _core
 from freetoken.engine.moe import MoeContext, default_executor
 from freetoken.errors import UnsupportedError
 from freetoken.gguf import GGUFFile
-from freetoken.models import gemma3, llama, qwen2, qwen3, qwen3moe
+from freetoken.models import (
+    gemma3,
+    llama,
+    olmoe,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+)
 from freetoken.models.config import ModelConfig
 from freetoken.models.transformer import Transformer
 
@@ -21,6 +29,8 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
     "qwen3moe": qwen3moe,
+    "qwen2moe": qwen2moe,
+    "olmoe": olmoe,
 }
 
 
@@ -45,9 +55,12 @@ def load_model(
     scale = family.attn_scale(cfg) if hasattr(family, "attn_scale") else None
     make_ffn = None
     moe = None
-    if hasattr(family, "ffn_factory"):
+    # A family with an FFN factory is MoE when the file has experts (llama: Mixtral).
+    if hasattr(family, "ffn_factory") and cfg.n_experts > 0:
         moe = MoeContext(default_executor(moe_threads), _core.MoeCounters(cfg.n_layers))
         make_ffn = family.ffn_factory(moe)
-    model = Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
+    # A family may run its own subclass of the decoder (olmoe: full-width q/k norms).
+    model_class = getattr(family, "MODEL", Transformer)
+    model = model_class(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
     model.moe = moe
     return model

@@ -1,7 +1,9 @@
 """Synthetic GGUF test models in real architectures' layouts (``freetoken make-test-model``).
 
 - :func:`make_test_model` writes one: the layout and metadata llama.cpp expects for the
-  architecture (:mod:`~freetoken.testmodel.archs`), a vocabulary copied from a GGUF
+  architecture (:mod:`~freetoken.testmodel.archs`; the MoE ones, with their routers,
+  experts, shared experts and attention variants, in :mod:`~freetoken.testmodel.archs_moe`),
+  a vocabulary copied from a GGUF
   (:mod:`~freetoken.testmodel.vocab`), seeded weights scaled for a peaked next-token
   distribution and quantized by a quant spec (:mod:`~freetoken.testmodel.spec`, whose
   docstring has the grammar) through :func:`freetoken.quant.quantize`.

@@ -6,23 +6,32 @@ the metadata its converter writes (``convert_hf_to_gguf.py`` / ``conversion/``).
 are numpy order: a matrix is ``(rows, K)`` where llama.cpp writes ``{K, rows}``
 (``ne[0] = K``); a stack of experts is ``(n_expert, rows, K)``.
 
-An MoE family is added as one more entry: a subclass that overrides :meth:`ArchSpec.ffn_tensors`
-(expert stacks, router, shared experts) and :meth:`ArchSpec.metadata` (expert counts), with its
-new config fields on :class:`ModelConfig`.
+The MoE families are :class:`~freetoken.testmodel.archs_moe.MoeArch` subclasses in
+``archs_moe.py`` (llama among them: with experts it is Mixtral); their options are the optional
+:class:`ModelConfig` fields (:data:`OPTIONAL_FIELDS`), each accepted only by the architectures
+that list it in ``ArchSpec.options``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from gguf import GGUFValueType
 
 from freetoken.errors import InvalidInputError
 
-__all__ = ["ARCHS", "ArchSpec", "MetaItem", "ModelConfig", "TensorDef", "get_arch"]
+__all__ = [
+    "ARCHS",
+    "ArchSpec",
+    "MetaItem",
+    "ModelConfig",
+    "RoutingSpec",
+    "TensorDef",
+    "get_arch",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,67 @@ class ModelConfig:
     None writes no key and llama.cpp's default (6) applies."""
     rope_theta_swa: float | None = None
     """Gemma 3: RoPE base of the sliding-window layers; None writes no key (llama.cpp: 10000)."""
+    # ---- MoE (see archs_moe.py; 0 / None: the architecture's default) ------------------
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model, or the MoE architecture's default)."""
+    top_k: int = 0
+    """Experts used per token (0: the architecture's default)."""
+    expert_ffn: int = 0
+    """One expert's FFN width (0: ``ffn``)."""
+    shared_experts: int | None = None
+    """Shared experts (their FFN is ``shared_experts * expert_ffn`` wide); None: the default."""
+    leading_dense: int = 0
+    """Leading layers with a dense FFN instead of experts (glm4moe, deepseek2)."""
+    expert_layout: str = "stacked"
+    """llama (Mixtral): ``stacked`` ``ffn_*_exps`` or the older ``per-expert`` ``ffn_*.E``."""
+    expert_gating: str | None = None
+    """deepseek2: ``softmax`` or ``sigmoid``; None: the architecture's default."""
+    expert_weights_norm: bool | None = None
+    """glm4moe, deepseek2: renormalize the top-k weights; None: the default."""
+    expert_weights_scale: float | None = None
+    """glm4moe, deepseek2: routed scaling factor; None: the default."""
+    expert_groups: int = 0
+    """glm4moe, deepseek2: expert groups of grouped top-k (0: no key, one group)."""
+    expert_groups_used: int = 0
+    """glm4moe, deepseek2: groups kept per token."""
+    # ---- attention variants ------------------------------------------------------------
+    rope_dim: int | None = None
+    """Rotated dims per head (glm4moe's partial RoPE, deepseek2's qk_rope_head_dim)."""
+    qk_norm: bool | None = None
+    """glm4moe: per-head q/k RMSNorm (GLM-4.5 has it, GLM-4.5-Air not); None: off."""
+    q_lora_rank: int | None = None
+    """deepseek2: rank of the q compression (0: a plain ``attn_q``); None: hidden / 2."""
+    kv_lora_rank: int | None = None
+    """deepseek2: rank of the kv compression; None: hidden / 4."""
+    v_head_dim: int | None = None
+    """deepseek2: value head size; None: head_dim - rope_dim."""
+
+
+#: ModelConfig fields only some architectures accept (``ArchSpec.options``), with the value
+#: that leaves them unset.
+OPTIONAL_FIELDS: dict[str, Any] = {
+    f.name: f.default
+    for f in fields(ModelConfig)
+    if f.name
+    in (
+        "experts",
+        "top_k",
+        "expert_ffn",
+        "shared_experts",
+        "leading_dense",
+        "expert_layout",
+        "expert_gating",
+        "expert_weights_norm",
+        "expert_weights_scale",
+        "expert_groups",
+        "expert_groups_used",
+        "rope_dim",
+        "qk_norm",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "v_head_dim",
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -68,11 +138,30 @@ class TensorDef:
     """How the generator initialises it (see ``writer.WeightGen``)."""
     quantizable: bool
     """Whether the quant spec applies; otherwise it is F32 (norms, biases, routers)."""
+    source: tuple[str, int] | None = None
+    """(stacked tensor, expert): the values are that expert's slice of the stacked tensor (the
+    per-expert Mixtral layout), so both layouts of one seed hold the same weights."""
 
     @property
     def k(self) -> int:
         """Row length."""
         return self.shape[-1]
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """The routing llama.cpp applies to an architecture's router logits (``build_moe_ffn``):
+    the weight generator sizes the experts' outputs by it."""
+
+    func: str
+    """``softmax``, ``sigmoid`` or ``softmax_weight`` (softmax over the chosen logits)."""
+    top_k: int
+    normalize: bool
+    scale: float = 1.0
+    groups: int = 1
+    groups_used: int = 1
+    selection_bias: bool = False
+    """An ``exp_probs_b`` bias added to the scores for selection only."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +203,15 @@ class ArchSpec:
     write_vocab_size: bool = False
     #: Always write key_length / value_length (gemma3's converter does).
     always_key_length: bool = False
-    #: Sliding-window attention keys (gemma3), and the default window.
+    #: Sliding-window attention keys (gemma3), and the default window and pattern (llama.cpp's
+    #: default for the architecture: every N-th layer global).
     has_swa: bool = False
     default_sliding_window: int = 0
+    default_swa_pattern: int = 6
+    #: An architecture with routed experts (archs_moe.MoeArch; llama only with experts > 0).
+    moe: bool = False
+    #: The optional ModelConfig fields (:data:`OPTIONAL_FIELDS`) the architecture accepts.
+    options: frozenset[str] = frozenset()
 
     def defaults(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with the architecture's defaults filled in."""
@@ -167,6 +262,12 @@ class ArchSpec:
             raise InvalidInputError(
                 f"the sliding-window pattern must be >= 0, not {cfg.swa_pattern}"
             )
+        for name, unset in OPTIONAL_FIELDS.items():
+            if name not in self.options and getattr(cfg, name) != unset:
+                raise InvalidInputError(
+                    f"{self.name} has no option {name.replace('_', '-')} "
+                    f"(given {getattr(cfg, name)!r})"
+                )
 
     # ---- tensors ------------------------------------------------------------------------
 
@@ -198,7 +299,7 @@ class ArchSpec:
                 TensorDef(_blk(i, "attn_k", "bias"), "attn_k.bias", i, (nkv,), "bias", False),
                 TensorDef(_blk(i, "attn_v", "bias"), "attn_v.bias", i, (nkv,), "bias", False),
             ]
-        if self.qk_norm:
+        if self.uses_qk_norm(cfg):
             t += [
                 TensorDef(_blk(i, "attn_q_norm"), "attn_q_norm", i, (d,), "norm", False),
                 TensorDef(_blk(i, "attn_k_norm"), "attn_k_norm", i, (d,), "norm", False),
@@ -278,8 +379,20 @@ class ArchSpec:
             return False
         if isinstance(cfg.swa_pattern, tuple):
             return bool(cfg.swa_pattern[i])
-        n = 6 if cfg.swa_pattern is None else cfg.swa_pattern
+        n = self.default_swa_pattern if cfg.swa_pattern is None else cfg.swa_pattern
         return n == 0 or i % n < n - 1
+
+    def is_moe(self, cfg: ModelConfig) -> bool:
+        """Whether ``cfg`` has routed experts."""
+        return False
+
+    def uses_qk_norm(self, cfg: ModelConfig) -> bool:
+        """Whether q and k are RMS-normed (then q is sharpened through its norm weight)."""
+        return self.qk_norm
+
+    def routing(self, cfg: ModelConfig) -> RoutingSpec | None:
+        """How the router's weights combine the experts (None: a dense model)."""
+        return None
 
 
 class Llama(ArchSpec):
@@ -339,8 +452,15 @@ class Gemma3(ArchSpec):
             )
 
 
+# The MoE architectures subclass ArchSpec, so they are defined after it.
+from freetoken.testmodel.archs_moe import MOE_ARCHS  # noqa: E402
+
 #: The architectures make-test-model writes, by GGUF ``general.architecture``.
-ARCHS: dict[str, ArchSpec] = {a.name: a for a in (Llama(), Qwen2(), Qwen3(), Gemma3())}
+ARCHS: dict[str, ArchSpec] = {
+    # llama is among the MoE architectures: Mixtral shares it (dense when experts == 0).
+    a.name: a
+    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS)
+}
 
 
 def get_arch(name: str) -> ArchSpec:
@@ -354,18 +474,26 @@ def get_arch(name: str) -> ArchSpec:
 
 
 def gated_act_rms(act: str) -> float:
-    """RMS of ``act(g) * u`` for independent standard normal g and u (Gauss-Hermite)."""
+    """RMS of ``act(g) * u`` for independent standard normal g and u (Gauss-Hermite).
+
+    ``swiglu_oai`` is gpt-oss's ``min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)``.
+    """
     import numpy as np
 
     x, w = np.polynomial.hermite_e.hermegauss(96)
     w = w / w.sum()
+    up_ms = 1.0  # E[u^2]
     if act == "silu":
         y = x / (1.0 + np.exp(-x))
     elif act == "gelu_tanh":
         y = 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    elif act == "swiglu_oai":
+        g = np.minimum(x, 7.0)
+        y = g / (1.0 + np.exp(-1.702 * g))
+        up_ms = float((w * (np.clip(x, -7.0, 7.0) + 1.0) ** 2).sum())
     else:
         raise ValueError(act)
-    return float(math.sqrt(float((w * y * y).sum())))
+    return float(math.sqrt(float((w * y * y).sum()) * up_ms))
 
 
 def swa_pattern_from_text(text: str, layers: int | None = None) -> int | tuple[bool, ...]:

@@ -37,9 +37,42 @@ quant spec (--quant): comma-separated items; the last rule that matches a tensor
             q8_0,attn=q4_0,ffn_down=q6_k,output=q8_0,embd=f16
             q4_0,blk.0-3.ffn_down=q5_k,blk.7.ffn=q8_0
 
-default vocabularies (--vocab): llama: ggml-vocab-llama-spm.gguf, qwen2 and qwen3:
-ggml-vocab-qwen2.gguf (from the llama.cpp tree's models/), gemma3: the default model's
-(Gemma 3 270M) tokenizer."""
+default vocabularies (--vocab), from the llama.cpp tree's models/: llama:
+ggml-vocab-llama-spm.gguf; qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe:
+ggml-vocab-qwen2.gguf; olmoe: ggml-vocab-gpt-neox.gguf; deepseek2: ggml-vocab-deepseek-llm.gguf;
+gemma3: the default model's (Gemma 3 270M) tokenizer.
+
+MoE examples:
+  --arch qwen3moe --experts 16 --top-k 4 --expert-ffn 256 --quant q8_0,exps=q4_k
+  --arch llama --experts 8 --top-k 2 --expert-layout per-expert        (Mixtral)
+  --arch gpt-oss --experts 8 --top-k 4 --quant q8_0,exps=mxfp4 --sliding-window 8
+  --arch deepseek2 --leading-dense 1 --shared-experts 1 --q-lora-rank 128
+      --kv-lora-rank 64 --head-dim 48 --rope-dim 16 --expert-groups 4
+      --expert-groups-used 2 --expert-weights-scale 2.5
+Router weights are F32 (llama-quantize leaves ffn_gate_inp unquantized)."""
+
+
+#: Options passed on only when given (each architecture refuses the ones it does not have).
+_ARCH_OPTIONS = (
+    "expert_gating",
+    "expert_weights_norm",
+    "expert_weights_scale",
+    "expert_groups",
+    "expert_groups_used",
+    "rope_dim",
+    "qk_norm",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "v_head_dim",
+)
+
+
+def _on_off(text: str) -> bool:
+    if text.lower() in ("on", "true", "1", "yes"):
+        return True
+    if text.lower() in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,18 +106,111 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sliding-window",
         type=int,
-        help="gemma3: local attention window (default 512; 0: every layer global)",
+        help="gemma3, gpt-oss: local attention window (gemma3: default 512, 0: every layer "
+        "global; gpt-oss: default 128)",
     )
     parser.add_argument(
         "--swa-pattern",
         metavar="N|0,1,..",
-        help="gemma3: every N-th layer global, or 1 (sliding) / 0 (global) per layer "
-        "(default: no key, llama.cpp's 6)",
+        help="gemma3, gpt-oss: every N-th layer global, or 1 (sliding) / 0 (global) per layer "
+        "(default: no key, llama.cpp's 6; gpt-oss: 2)",
     )
     parser.add_argument(
         "--rope-theta-swa",
         type=float,
         help="gemma3: RoPE base of the sliding layers (default: no key, llama.cpp's 10000)",
+    )
+    moe = parser.add_argument_group(
+        "mixture of experts (qwen3moe qwen2moe llama olmoe gpt-oss glm4moe deepseek2)"
+    )
+    moe.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        metavar="E",
+        help="routed experts per layer (default 8; llama: 0, dense, else Mixtral)",
+    )
+    moe.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="experts per token (default 2)"
+    )
+    moe.add_argument(
+        "--expert-ffn",
+        type=int,
+        default=0,
+        metavar="I",
+        help="one expert's FFN width (default: --ffn)",
+    )
+    moe.add_argument(
+        "--shared-experts",
+        type=int,
+        metavar="N",
+        help="shared experts, N * I wide (qwen2moe glm4moe deepseek2; default 1)",
+    )
+    moe.add_argument(
+        "--leading-dense",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first N layers dense, --ffn wide (glm4moe deepseek2; default 0)",
+    )
+    moe.add_argument(
+        "--expert-layout",
+        choices=["stacked", "per-expert"],
+        default="stacked",
+        help="llama (Mixtral): stacked ffn_*_exps, or the older ffn_*.E per expert (which "
+        "this llama.cpp no longer loads)",
+    )
+    moe.add_argument(
+        "--expert-gating",
+        choices=["softmax", "sigmoid"],
+        help="deepseek2: softmax (V2) or sigmoid with exp_probs_b (V3, the default)",
+    )
+    moe.add_argument(
+        "--expert-weights-norm",
+        type=_on_off,
+        metavar="on|off",
+        help="glm4moe deepseek2: renormalize the top-k weights (default on)",
+    )
+    moe.add_argument(
+        "--expert-weights-scale",
+        type=float,
+        metavar="S",
+        help="glm4moe deepseek2: routed scaling factor (default 1)",
+    )
+    moe.add_argument(
+        "--expert-groups",
+        type=int,
+        default=0,
+        metavar="G",
+        help="glm4moe deepseek2: expert groups for grouped top-k (default: none)",
+    )
+    moe.add_argument(
+        "--expert-groups-used",
+        type=int,
+        default=0,
+        metavar="U",
+        help="glm4moe deepseek2: groups kept per token",
+    )
+    attn = parser.add_argument_group("attention variants")
+    attn.add_argument(
+        "--rope-dim",
+        type=int,
+        help="glm4moe: rotated dims per head (default half); deepseek2: qk_rope_head_dim "
+        "(default half of --head-dim)",
+    )
+    attn.add_argument(
+        "--qk-norm", action="store_true", default=None, help="glm4moe: per-head q/k norms"
+    )
+    attn.add_argument(
+        "--q-lora-rank",
+        type=int,
+        help="deepseek2: q compression rank (default hidden/2; 0: a plain attn_q)",
+    )
+    attn.add_argument(
+        "--kv-lora-rank", type=int, help="deepseek2: kv compression rank (default hidden/4)"
+    )
+    attn.add_argument(
+        "--v-head-dim", type=int, help="deepseek2: value head size (default head-dim - rope-dim)"
     )
     parser.add_argument("--name", help="general.name (default: FreeToken test ARCH)")
     parser.add_argument(
@@ -120,7 +246,14 @@ def run(args: argparse.Namespace) -> int:
         sliding_window=args.sliding_window,
         swa_pattern=swa,
         rope_theta_swa=args.rope_theta_swa,
+        experts=args.experts,
+        top_k=args.top_k,
+        expert_ffn=args.expert_ffn,
+        shared_experts=args.shared_experts,
+        leading_dense=args.leading_dense,
+        expert_layout=args.expert_layout,
         name=args.name,
+        **{k: getattr(args, k) for k in _ARCH_OPTIONS if getattr(args, k) is not None},
     )
     size = path.stat().st_size / (1 << 20)
     print(f"wrote {path} ({size:.1f} MiB)", file=sys.stderr)

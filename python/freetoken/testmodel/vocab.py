@@ -39,6 +39,13 @@ DEFAULT_VOCABS: dict[str, str | None] = {
     "qwen2": "ggml-vocab-qwen2.gguf",
     "qwen3": "ggml-vocab-qwen2.gguf",
     "gemma3": None,
+    "qwen2moe": "ggml-vocab-qwen2.gguf",
+    "qwen3moe": "ggml-vocab-qwen2.gguf",
+    "olmoe": "ggml-vocab-gpt-neox.gguf",
+    # gpt-oss (o200k) and GLM-4.5 vocabularies are not in the tree: another large BPE one.
+    "gpt-oss": "ggml-vocab-qwen2.gguf",
+    "glm4moe": "ggml-vocab-qwen2.gguf",
+    "deepseek2": "ggml-vocab-deepseek-llm.gguf",
 }
 
 # GGUF token types (llama.cpp's llama_token_type).

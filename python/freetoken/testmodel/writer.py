@@ -17,10 +17,20 @@ How the weights are scaled (so that activations stay sane and the next token is 
 - Input projections are N(0, 1/K) so that q, k, v, gate and up have unit-size entries; q is
   sharpened by ``ATTN_SHARPNESS`` so attention is not a plain average. Norm weights are
   1 + N(0, 0.05^2) (Gemma's too: GGUF stores its effective multiplier ``1 + w``). Biases are
-  N(0, 0.1^2).
+  N(0, 0.1^2); biases added to a block's output (gpt-oss) are a fraction of the block's size.
+- MoE layers: router rows are N(0, ROUTER_SCALE^2 / hidden), so the router logits spread over
+  a few units and the tokens pick varied experts with clear margins (a near-tie would make
+  routing flip on rounding noise). Each expert is an FFN as above; the down projections are
+  scaled by ``1 / sqrt(E[sum_k w_k^2])`` for the architecture's routing weights ``w`` (estimated
+  by simulating the routing on such logits), so the routed sum has the block's size whatever
+  the routing. With shared experts, the routed part carries 2/3 of the block's power.
+  Selection biases (``exp_probs_b``) are N(0, 0.02^2) against sigmoid scores spread over
+  (0, 1); gpt-oss's attention sinks are N(0, 1) logits.
 
 Every tensor comes from its own generator, seeded by (seed, tensor name), so a test can
-regenerate any tensor's source values with :func:`source_tensors`.
+regenerate any tensor's source values with :func:`source_tensors`. A stack of experts draws
+each expert from its own generator, seeded by (seed, ``name#expert``), so that the stacked and
+the per-expert layouts of one seed hold the same weights.
 """
 
 from __future__ import annotations
@@ -30,9 +40,10 @@ import os
 import sys
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
@@ -40,9 +51,11 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 from freetoken import quant as qt
 from freetoken.errors import FileAccessError, InvalidInputError
 from freetoken.testmodel.archs import (
+    OPTIONAL_FIELDS,
     ArchSpec,
     MetaItem,
     ModelConfig,
+    RoutingSpec,
     TensorDef,
     gated_act_rms,
     get_arch,
@@ -67,6 +80,16 @@ TARGET_TOP1 = 0.5
 ATTN_SHARPNESS = 2.0
 NORM_JITTER = 0.05
 BIAS_STD = 0.1
+#: Spread of the router logits (softmax or sigmoid scores of unit-RMS inputs).
+ROUTER_SCALE = 3.0
+#: The routed experts' share of an MoE block's power when it has shared experts.
+ROUTED_SHARE = 2.0 / 3.0
+#: Selection bias (exp_probs_b) spread.
+PROBS_BIAS_STD = 0.02
+#: Biases added to a block's output, relative to the block's size.
+OUT_BIAS_SCALE = 0.3
+#: Rows simulated to estimate the routing weights' power.
+_ROUTE_SAMPLES = 4096
 #: Output rows of control, byte and unused tokens relative to ordinary ones.
 SPECIAL_OUTPUT_SCALE = 0.5
 #: Rows quantized per call, so big matrices do not need a second full-size buffer.
@@ -206,6 +229,14 @@ class WeightGen:
         self.block_rms = BLOCKS_RMS / math.sqrt(2 * cfg.layers) * self.sigma_res
         self.act_rms = gated_act_rms(arch.ffn_act)
         self._embd: np.ndarray | None = None
+        # MoE: with shared experts, the routed ones carry 2/3 of the FFN block's power.
+        routing = arch.routing(cfg)
+        shared = bool(cfg.shared_experts)
+        self.moe_share = math.sqrt(ROUTED_SHARE) if shared else 1.0
+        self.shexp_share = math.sqrt(1.0 - ROUTED_SHARE)
+        self.routed_gain = 1.0 / math.sqrt(routed_power(routing, cfg.experts)) if routing else 1.0
+        # qwen2moe scales the shared expert by sigmoid(z), z ~ N(0, 1).
+        self.shexp_gain = 1.0 / _sigmoid_rms() if getattr(arch, "shared_gate", False) else 1.0
 
     def rng(self, name: str) -> np.random.Generator:
         """The generator of tensor ``name``."""
@@ -230,15 +261,43 @@ class WeightGen:
 
     def tensor(self, t: TensorDef) -> np.ndarray:
         """The source values of ``t``, float32, shape ``t.shape``."""
-        arch = self.arch
+        if len(t.shape) == 3 and t.source is None and t.role != "embd":
+            return np.stack(list(self.chunks(t)))
+        return next(self.chunks(t))
+
+    def chunks(self, t: TensorDef) -> Iterator[np.ndarray]:
+        """The source values of ``t`` in row order: one array per expert of a stack (and of
+        MLA's per-head ``attn_k_b`` / ``attn_v_b``), else the whole tensor."""
         role = t.role
         if role == "embd":
-            return self.embeddings()
+            yield self.embeddings()
+            return
         if role == "output":
             w = self.embeddings()[self.permutation()]
             w[~self.normal] *= np.float32(SPECIAL_OUTPUT_SCALE)
-            return w
+            yield w
+            return
+        std = self._matrix_std(t)
+        if std is None:
+            yield self._vector(t)
+        elif t.source is not None:
+            stacked, x = t.source
+            yield self._normal(f"{stacked}#{x}", t.shape, std)
+        elif len(t.shape) == 3:
+            for x in range(t.shape[0]):
+                yield self._normal(f"{t.name}#{x}", t.shape[1:], std)
+        else:
+            yield self._normal(t.name, t.shape, std)
+
+    def _normal(self, key: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+        w = self.rng(key).standard_normal(shape, dtype=np.float32)
+        w *= np.float32(std)
+        return w
+
+    def _vector(self, t: TensorDef) -> np.ndarray:
+        """Norms, biases, routers' side vectors, sinks."""
         rng = self.rng(t.name)
+        role = t.role
         if role == "norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             if t.short == "attn_q_norm":
@@ -247,23 +306,82 @@ class WeightGen:
         if role == "post_norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             return (w * np.float32(self.block_rms)).astype(np.float32)
-        if role == "bias":
-            return (BIAS_STD * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
+        std = {
+            "bias": BIAS_STD,
+            "out_bias": OUT_BIAS_SCALE * self.block_rms * self.moe_share,
+            "probs_bias": PROBS_BIAS_STD,
+            "sinks": 1.0,
+            "shexp_gate": 1.0 / math.sqrt(t.k),
+        }.get(role)
+        if std is None:
+            raise ValueError(f"{t.name}: unknown role {role!r}")
+        return (std * rng.standard_normal(t.shape, dtype=np.float32)).astype(np.float32)
+
+    def _matrix_std(self, t: TensorDef) -> float | None:
+        """The std of a matrix role's entries; None for the vector roles."""
+        arch, role = self.arch, t.role
+        ffn_out = 1.0 if arch.sandwich_norm else self.block_rms
         if role == "proj_in":
             std = 1.0 / math.sqrt(t.k)
-            if t.short == "attn_q" and not arch.qk_norm:
+            if t.short in ("attn_q", "attn_q_b") and not arch.uses_qk_norm(self.cfg):
                 std *= ATTN_SHARPNESS
-        elif role == "attn_out":
+            return std
+        if role == "mla_kb":
+            # k_nope = c @ attn_k_b[head]: the sum runs over the kv_lora_rank axis.
+            return 1.0 / math.sqrt(t.shape[-2])
+        if role == "router":
+            return ROUTER_SCALE / math.sqrt(t.k)
+        if role == "attn_out":
             # Inputs have unit-size entries; the output should have RMS block_rms (unless a
             # post norm sets the size).
-            std = (1.0 if arch.sandwich_norm else self.block_rms) / math.sqrt(t.k)
-        elif role == "ffn_out":
-            std = (1.0 if arch.sandwich_norm else self.block_rms) / (math.sqrt(t.k) * self.act_rms)
-        else:
-            raise ValueError(f"{t.name}: unknown role {role!r}")
-        w = rng.standard_normal(t.shape, dtype=np.float32)
-        w *= np.float32(std)
-        return w
+            return ffn_out / math.sqrt(t.k)
+        if role == "ffn_out":
+            return ffn_out / (math.sqrt(t.k) * self.act_rms)
+        if role == "exp_out":
+            return ffn_out * self.moe_share * self.routed_gain / (math.sqrt(t.k) * self.act_rms)
+        if role == "shexp_out":
+            return ffn_out * self.shexp_share * self.shexp_gain / (math.sqrt(t.k) * self.act_rms)
+        return None
+
+
+def _sigmoid_rms() -> float:
+    """RMS of sigmoid(z) for z ~ N(0, 1)."""
+    x, w = np.polynomial.hermite_e.hermegauss(64)
+    w = w / w.sum()
+    return float(np.sqrt((w / (1.0 + np.exp(-x)) ** 2).sum()))
+
+
+def routed_power(r: RoutingSpec, n_experts: int) -> float:
+    """E[sum_k w_k^2] of the routing weights of ``r`` for router logits N(0, ROUTER_SCALE^2)
+    (simulated with a fixed seed, llama.cpp's ``build_moe_ffn`` steps)."""
+    rng = np.random.default_rng(0x5EED)
+    logits = ROUTER_SCALE * rng.standard_normal((_ROUTE_SAMPLES, n_experts))
+    if r.func == "softmax":
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        probs = e / e.sum(-1, keepdims=True)
+    elif r.func == "sigmoid":
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        probs = logits
+    select = probs.copy()
+    if r.selection_bias:
+        select += PROBS_BIAS_STD * rng.standard_normal(n_experts)
+    if r.groups > 1:
+        g = select.reshape(_ROUTE_SAMPLES, r.groups, -1)
+        score = np.sort(g, axis=-1)[..., -2:].sum(-1)
+        keep = np.argsort(-score, axis=-1)[:, : r.groups_used]
+        mask = np.ones(score.shape, dtype=bool)
+        np.put_along_axis(mask, keep, False, axis=-1)
+        select = np.where(mask[..., None], -np.inf, g).reshape(_ROUTE_SAMPLES, -1)
+    ids = np.argsort(-select, axis=-1)[:, : r.top_k]
+    w = np.take_along_axis(probs, ids, axis=-1)
+    if r.func == "softmax_weight":
+        w = np.exp(w - w.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+    if r.normalize:
+        w /= np.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
+    w *= r.scale
+    return float((w * w).sum(-1).mean())
 
 
 def source_tensors(
@@ -283,19 +401,33 @@ def source_tensors(
 
 def _encode(values: np.ndarray, qtype: int) -> np.ndarray:
     """``values`` in type ``qtype`` as bytes (uint8), quantized a chunk of rows at a time."""
+    return _encode_chunks([values], qtype, values.size)
+
+
+def _encode_chunks(chunks: Iterable[np.ndarray], qtype: int, n_values: int) -> np.ndarray:
+    """The concatenated rows of ``chunks`` (``n_values`` values in all) in type ``qtype`` as
+    bytes; a stack of experts arrives one expert at a time, so it is never held in float32
+    whole."""
     info = qt.type_info(qtype)
-    if info.name == "F32":
-        return np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint8)
-    k = values.shape[-1]
-    rows = values.reshape(-1, k)
-    imatrix = np.ones(k, dtype=np.float32) if info.requires_imatrix else None
-    step = max(1, CHUNK_ELEMENTS // max(k, 1))
-    out = np.empty(rows.shape[0] * info.row_size(k), dtype=np.uint8)
+    out: np.ndarray | None = None
     pos = 0
-    for r in range(0, rows.shape[0], step):
-        raw = qt.quantize(np.ascontiguousarray(rows[r : r + step]), info.id, imatrix)
-        out[pos : pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        pos += len(raw)
+    for values in chunks:
+        k = values.shape[-1]
+        if out is None:
+            out = np.empty(n_values // k * info.row_size(k), dtype=np.uint8)
+        if info.name == "F32":
+            raw32 = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint8)
+            out[pos : pos + len(raw32)] = raw32
+            pos += len(raw32)
+            continue
+        rows = values.reshape(-1, k)
+        imatrix = np.ones(k, dtype=np.float32) if info.requires_imatrix else None
+        step = max(1, CHUNK_ELEMENTS // max(k, 1))
+        for r in range(0, rows.shape[0], step):
+            raw = qt.quantize(np.ascontiguousarray(rows[r : r + step]), info.id, imatrix)
+            out[pos : pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            pos += len(raw)
+    assert out is not None and pos == len(out)
     return out
 
 
@@ -339,8 +471,15 @@ def make_test_model(
     sliding_window: int | None = None,
     swa_pattern: int | tuple[bool, ...] | None = None,
     rope_theta_swa: float | None = None,
+    experts: int = 0,
+    top_k: int = 0,
+    expert_ffn: int = 0,
+    shared_experts: int | None = None,
+    leading_dense: int = 0,
+    expert_layout: str = "stacked",
     name: str | None = None,
     log: Callable[[str], None] | None = None,
+    **arch_options: Any,
 ) -> Path:
     """Writes a synthetic ``arch`` model to ``out`` and returns its path.
 
@@ -352,13 +491,28 @@ def make_test_model(
     ``hidden // heads``; ``rope_theta`` and ``rms_eps`` to the architecture's values. Gemma 3
     only: ``sliding_window`` (0 or None: none), ``swa_pattern`` (N: every N-th layer global,
     or a bool per layer, True for sliding-window layers; None: llama.cpp's default 6) and
-    ``rope_theta_swa``. ``log`` receives one line per fallback (default: stderr).
+    ``rope_theta_swa`` (gpt-oss: the window defaults to 128 and the pattern to 2).
+
+    MoE architectures (:mod:`~freetoken.testmodel.archs_moe`): ``experts`` routed experts per
+    layer (default 8; llama: 0, a dense model, and with experts Mixtral), ``top_k`` of them per
+    token (default 2), each ``expert_ffn`` wide (default ``ffn``); ``shared_experts`` (qwen2moe,
+    glm4moe, deepseek2; default 1), ``leading_dense`` dense layers first (glm4moe, deepseek2;
+    ``ffn`` wide), ``expert_layout`` ``"stacked"`` or ``"per-expert"`` (llama). ``arch_options``
+    are the other :class:`~freetoken.testmodel.archs.ModelConfig` fields an architecture takes
+    (``expert_gating``, ``expert_weights_norm``, ``expert_weights_scale``, ``expert_groups``,
+    ``expert_groups_used``, ``rope_dim``, ``qk_norm``, ``q_lora_rank``, ``kv_lora_rank``,
+    ``v_head_dim``); an option the architecture does not have is an InvalidInputError.
+
+    ``log`` receives one line per fallback (default: stderr).
 
     The file is written next to ``out`` and renamed into place when complete.
     """
     spec_arch = get_arch(arch)
     say = log if log is not None else (lambda line: print(line, file=sys.stderr))
     spec = quant if isinstance(quant, QuantSpec) else parse_quant_spec(quant)
+    unknown = sorted(set(arch_options) - set(OPTIONAL_FIELDS))
+    if unknown:
+        raise InvalidInputError(f"unknown model options: {', '.join(unknown)}")
     voc = read_vocab(resolve_vocab(vocab, arch))
     cfg = build_config(
         arch,
@@ -376,6 +530,13 @@ def make_test_model(
         sliding_window=sliding_window,
         swa_pattern=swa_pattern,
         rope_theta_swa=rope_theta_swa,
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=expert_ffn,
+        shared_experts=shared_experts,
+        leading_dense=leading_dense,
+        expert_layout=expert_layout,
+        **arch_options,
     )
     if not isinstance(seed, int) or seed < 0:
         raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
@@ -418,7 +579,7 @@ def make_test_model(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for p in plan:
-            data = _encode(gen.tensor(p.tensor), p.qtype)
+            data = _encode_chunks(gen.chunks(p.tensor), p.qtype, math.prod(p.tensor.shape))
             writer.write_tensor_data(data)
         writer.close()
         os.replace(tmp, out_path)
