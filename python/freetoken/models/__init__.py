@@ -10,7 +10,10 @@ from freetoken.engine.moe import MoeContext, default_executor
 from freetoken.errors import UnsupportedError
 from freetoken.gguf import GGUFFile
 from freetoken.models import (
+    deepseek2,
     gemma3,
+    glm4moe,
+    gptoss,
     llama,
     olmoe,
     qwen2,
@@ -31,6 +34,9 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen3moe": qwen3moe,
     "qwen2moe": qwen2moe,
     "olmoe": olmoe,
+    "gpt-oss": gptoss,
+    "glm4moe": glm4moe,
+    "deepseek2": deepseek2,
 }
 
 

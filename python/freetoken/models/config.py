@@ -81,7 +81,7 @@ class ModelConfig:
         swa = cls._swa_layers(meta, arch, n_layers, window, swa_pattern)
         scaling = key("rope.scaling.type", str, "none")
         factor = key("rope.scaling.factor", float, 1.0)
-        if scaling not in ("none", "linear") and factor != 1.0:
+        if scaling not in ("none", "linear", "yarn") and factor != 1.0:
             raise GGUFError(f"rope scaling `{scaling}` is not supported")
         return cls(
             arch=arch,

@@ -143,7 +143,8 @@ class MLAWeights:
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, s: MLAShape, p: str) -> None:
         h, nh = cfg.hidden, cfg.n_heads
         self.wq = self.wq_a = self.wq_b = self.q_a_norm = None
-        if s.q_lora:
+        # llama.cpp reads the "lite" sizes without q_lora_rank: go by the tensors too.
+        if s.q_lora and p + "attn_q_a.weight" in gguf:
             self.wq_a = Linear(gguf, p + "attn_q_a", (s.q_lora, h))
             self.q_a_norm = load_vector(gguf, p + "attn_q_a_norm.weight", s.q_lora)
             self.wq_b = Linear(gguf, p + "attn_q_b", (nh * (s.nope + s.rope), s.q_lora))
