@@ -65,8 +65,6 @@ def load_model(
     if hasattr(family, "ffn_factory") and cfg.n_experts > 0:
         moe = MoeContext(default_executor(moe_threads), _core.MoeCounters(cfg.n_layers))
         make_ffn = family.ffn_factory(moe)
-    # A family may run its own subclass of the decoder (olmoe: full-width q/k norms).
-    model_class = getattr(family, "MODEL", Transformer)
-    model = model_class(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
+    model = Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
     model.moe = moe
     return model

@@ -54,6 +54,8 @@ class Features:
     ffn_norm: str = "ffn_norm"
     #: Q/K norms where the file has them (GLM-4.5: some sizes do, some do not).
     optional_qk_norm: bool = False
+    #: Q/K norms over the whole projections, before the split into heads (OLMoE).
+    qk_norm_full: bool = False
     #: Sliding-window layers use the full layers' RoPE base (unless the file gives
     #: ``rope.freq_base_swa``) and frequency scaling (gpt-oss); else base 10000, no scaling.
     swa_rope_as_full: bool = False
@@ -196,6 +198,9 @@ class Block:
         if feat.qk_norm or (feat.optional_qk_norm and p + "attn_q_norm.weight" in gguf):
             self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", hd)
             self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", hd)
+        elif feat.qk_norm_full:
+            self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", cfg.n_heads * hd)
+            self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", cfg.n_kv_heads * hd)
         self.sinks = None
         if feat.attn_sinks:
             self.sinks = load_vector(gguf, p + "attn_sinks.weight", cfg.n_heads)
@@ -358,10 +363,14 @@ class Transformer:
         cfg = self.cfg
         t = h.shape[0]
         q, k, v = linear_group((blk.wq, blk.wk, blk.wv), h)
+        # OLMoE norms the whole projections before the split into heads; the rest norm heads.
+        if blk.q_norm is not None and blk.k_norm is not None and self.feat.qk_norm_full:
+            q = rms_norm(q, blk.q_norm, cfg.norm_eps)
+            k = rms_norm(k, blk.k_norm, cfg.norm_eps)
         q = q.view(t, cfg.n_heads, cfg.head_dim)
         k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.n_kv_heads, cfg.head_dim_v)
-        if blk.q_norm is not None and blk.k_norm is not None:
+        if blk.q_norm is not None and blk.k_norm is not None and not self.feat.qk_norm_full:
             q = rms_norm(q, blk.q_norm, cfg.norm_eps)
             k = rms_norm(k, blk.k_norm, cfg.norm_eps)
         q = self._rope(q, pos, blk, cfg.rope_dim)
