@@ -42,6 +42,11 @@ impl MoeCounters {
         }
     }
 
+    /// Layers counted.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     /// Records one step of `layer`.
     pub fn record(&self, layer: usize, routes: u64, experts: u64, bytes: u64) {
         if let Some(c) = self.layers.get(layer) {

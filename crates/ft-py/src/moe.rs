@@ -120,6 +120,22 @@ impl PyMoeLayer {
     }
 
     fn run(&self, pool: &ThreadPool, args: &CallArgs) -> Result<()> {
+        // `out` becomes a &mut slice: it may not overlap the inputs.
+        let out_end = args.out + args.x_len * 4;
+        let inputs = [
+            (args.x, args.x_len * 4),
+            (args.ids, args.n_routes * 4),
+            (args.weights, args.n_routes * 4),
+        ];
+        if args.x_len > 0
+            && inputs
+                .iter()
+                .any(|&(a, n)| n > 0 && a < out_end && args.out < a + n)
+        {
+            return Err(Error::InvalidInput(
+                "the MoE output overlaps an input".into(),
+            ));
+        }
         // SAFETY: the Python wrapper derives each address from a live tensor of the stated
         // length and keeps it alive until the call (or the ticket) is done.
         let (x, ids, w, out) = unsafe {
@@ -131,10 +147,13 @@ impl PyMoeLayer {
             )
         };
         let s = moe_forward(pool, &self.weights(), x, ids, w, out)?;
-        self.counters
-            .record(self.index, s.routes, s.experts, s.weight_bytes);
-        self.counters
-            .record_routes(self.index, ids, self.up.n_experts());
+        // An empty batch is not a step.
+        if s.routes > 0 {
+            self.counters
+                .record(self.index, s.routes, s.experts, s.weight_bytes);
+            self.counters
+                .record_routes(self.index, ids, self.up.n_experts());
+        }
         Ok(())
     }
 }
@@ -180,6 +199,12 @@ impl PyMoeLayer {
         let (gate, up) = (gate.py_err()?, up.py_err()?);
         let down = ExpertTensor::resolve(f, &down).py_err()?;
         let e = up.n_experts();
+        if index >= counters.inner.n_layers() {
+            return Err(to_py(Error::Shape(format!(
+                "MoE layer {index} is outside the counters' {} layers",
+                counters.inner.n_layers()
+            ))));
+        }
         let act = match act {
             "silu" => Activation::Silu,
             "gelu" => Activation::Gelu,
