@@ -121,8 +121,8 @@ def load_vector(gguf: GGUFFile, name: str, n: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis, scaled by ``weight``."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """RMSNorm over the last axis, scaled by ``weight`` (torch's fused op: one call)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @functools.lru_cache(maxsize=64)
