@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from freetoken.errors import FreeTokenError
-from freetoken.testmodel.archs import ARCHS, swa_pattern_from_text
+from freetoken.testmodel.archs import ARCHS, OPTIONAL_FIELDS, swa_pattern_from_text
 from freetoken.testmodel.check import MIN_TOP1, top1_probabilities
 from freetoken.testmodel.writer import make_test_model
 
@@ -52,18 +52,13 @@ MoE examples:
 Router weights are F32 (llama-quantize leaves ffn_gate_inp unquantized)."""
 
 
-#: Options passed on only when given (each architecture refuses the ones it does not have).
-_ARCH_OPTIONS = (
-    "expert_gating",
-    "expert_weights_norm",
-    "expert_weights_scale",
-    "expert_groups",
-    "expert_groups_used",
-    "rope_dim",
-    "qk_norm",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "v_head_dim",
+#: Options passed on only when given (each architecture refuses the ones it does not have):
+#: the architecture-specific fields, less those every MoE architecture takes as flags.
+_ARCH_OPTIONS = tuple(
+    k
+    for k in OPTIONAL_FIELDS
+    if k
+    not in ("experts", "top_k", "expert_ffn", "shared_experts", "leading_dense", "expert_layout")
 )
 
 
