@@ -136,6 +136,7 @@ def test_type_table_matches_ggml_and_gguf() -> None:
         known[info.name] = info
         assert info.id == type_id
     assert set(known) == set(STORAGE_TYPES) | set(ACTIVATION_TYPES)
+    assert [info.name for info in quant.all_types()] == list(known)
     for name, info in known.items():
         assert info.is_storage == (name not in ACTIVATION_TYPES), name
         if name in gguf.GGMLQuantizationType.__members__:

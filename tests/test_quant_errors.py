@@ -338,14 +338,7 @@ def test_iq_type_without_importance_matrix(qtype: str) -> None:
 
 
 def test_only_those_types_require_an_importance_matrix() -> None:
-    required = set()
-    for type_id in range(64):
-        try:
-            info = quant.type_info(type_id)
-        except UnsupportedError:
-            continue
-        if info.requires_imatrix:
-            required.add(info.name)
+    required = {info.name for info in quant.all_types() if info.requires_imatrix}
     assert required == {"IQ2_XXS", "IQ2_XS", "IQ1_S"}
 
 
@@ -400,14 +393,7 @@ def test_extreme_finite_values_do_not_crash() -> None:
     """Huge, tiny and outlying finite input, and extreme importance matrices, quantized to
     every storage type (in a child process, so that an abort fails this test only). Each must
     quantize or raise a FreeTokenError."""
-    types = []
-    for type_id in range(64):
-        try:
-            info = quant.type_info(type_id)
-        except UnsupportedError:
-            continue
-        if info.is_storage:
-            types.append(info.name)
+    types = [info.name for info in quant.all_types() if info.is_storage]
     crashed = []
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     remaining = types

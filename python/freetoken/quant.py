@@ -20,7 +20,15 @@ from freetoken.errors import InvalidInputError, ShapeError, UnsupportedError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["QType", "QuantMatrix", "TypeInfo", "dequantize", "quantize", "type_info"]
+__all__ = [
+    "QType",
+    "QuantMatrix",
+    "TypeInfo",
+    "all_types",
+    "dequantize",
+    "quantize",
+    "type_info",
+]
 
 QType = int | str
 """A type id, a type name, or a ``gguf.GGMLQuantizationType`` (an ``int``)."""
@@ -62,6 +70,11 @@ def qtype_id(qtype: QType) -> int:
 @functools.cache
 def _info(type_id: int) -> TypeInfo:
     return TypeInfo(type_id, *_core.type_info(type_id))
+
+
+def all_types() -> list[TypeInfo]:
+    """Every type this build knows (storage and activation-only), in id order."""
+    return [_info(i) for i in _core.type_ids()]
 
 
 def type_info(qtype: QType) -> TypeInfo:

@@ -21,6 +21,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<moe::PyMoeTicket>()?;
     m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::type_ids, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant::matmul, m)?)?;

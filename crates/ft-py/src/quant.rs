@@ -30,6 +30,12 @@ pub fn type_info(id: u32) -> PyResult<(String, usize, usize, bool, bool, u32, bo
     ))
 }
 
+/// The ids of every type this build knows, in id order.
+#[pyfunction]
+pub fn type_ids() -> Vec<u32> {
+    GgmlType::ALL.iter().map(|t| t.id()).collect()
+}
+
 /// The id of the type named `name` (any case).
 #[pyfunction]
 pub fn type_from_name(name: &str) -> PyResult<u32> {
