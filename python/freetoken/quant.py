@@ -173,6 +173,11 @@ class QuantMatrix:
         return self.info.id
 
     @property
+    def raw(self) -> np.ndarray:
+        """The weight's bytes, a flat uint8 array (shared, not copied)."""
+        return self._buf
+
+    @property
     def spec(self) -> tuple[int, int, int, int]:
         """(type id, address, bytes, rows): how ``_core.matmul_group`` names this weight; the
         address stays valid while this object lives."""

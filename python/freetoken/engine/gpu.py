@@ -12,6 +12,7 @@ and runs CPU-only); the other calls raise UnsupportedError.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "available",
     "device_info",
     "expert_matmul",
+    "host_tensor",
     "kernel_for",
     "moe_layer",
     "pool_nbytes",
@@ -87,13 +89,29 @@ class ExpertPool:
     """``n_slots`` quantized matrices ``(n, k)`` of one type, back to back in one uint8 CUDA
     tensor, followed by a zeroed tail. Slots are filled with :meth:`set_slot`."""
 
-    def __init__(self, qtype: QType, k: int, n: int, n_slots: int, device: Any = "cuda") -> None:
+    def __init__(
+        self,
+        qtype: QType,
+        k: int,
+        n: int,
+        n_slots: int,
+        device: Any = "cuda",
+        memory: torch.Tensor | None = None,
+    ) -> None:
         self.info = type_info(qtype)
         self.k, self.n, self.n_slots = k, n, n_slots
         self.matrix_nbytes = self.info.row_size(k) * n
-        self.tensor = torch.zeros(
-            pool_nbytes(self.info.id, k, n, n_slots), dtype=torch.uint8, device=device
-        )
+        nbytes = pool_nbytes(self.info.id, k, n, n_slots)
+        if memory is None:
+            memory = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        elif memory.dtype != torch.uint8 or memory.dim() != 1 or memory.numel() < nbytes:
+            raise ShapeError(f"pool memory must be at least {nbytes} uint8 bytes")
+        else:
+            # The zeroed tail after the last slot (ggml-cuda reads up to it).
+            memory[self.matrix_nbytes * n_slots : nbytes].zero_()
+        #: The pool's bytes: its own, or a prefix of ``memory`` (a staging buffer reused for
+        #: layers of different types).
+        self.tensor = memory[:nbytes]
 
     @property
     def qtype(self) -> int:
@@ -111,6 +129,19 @@ class ExpertPool:
         start = slot * self.matrix_nbytes
         return self.tensor[start : start + self.matrix_nbytes]
 
+    def load(self, first_slot: int, raw: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copies whole matrices (a uint8 tensor of a multiple of ``matrix_nbytes``, host or
+        device) into consecutive slots from ``first_slot``."""
+        if raw.dtype != torch.uint8 or raw.numel() % self.matrix_nbytes:
+            raise ShapeError(f"pool data must be whole {self.matrix_nbytes}-byte matrices")
+        count = raw.numel() // self.matrix_nbytes
+        if first_slot < 0 or first_slot + count > self.n_slots:
+            raise InvalidInputError(
+                f"{count} matrices from slot {first_slot} overrun {self.n_slots} slots"
+            )
+        start = first_slot * self.matrix_nbytes
+        self.tensor[start : start + raw.numel()].copy_(raw, non_blocking=non_blocking)
+
     def set_slot(self, slot: int, raw: Any) -> None:
         """Copies one matrix (bytes, a uint8 numpy array or tensor of ``matrix_nbytes``) in."""
         if isinstance(raw, (bytes, bytearray, memoryview)):
@@ -126,6 +157,14 @@ class ExpertPool:
                 f"slot data must be {self.matrix_nbytes} uint8 bytes, got {src.numel()} {src.dtype}"
             )
         self.slot_view(slot).copy_(src, non_blocking=False)
+
+
+def host_tensor(addr: int, nbytes: int, owner: Any) -> torch.Tensor:
+    """A CPU uint8 tensor over ``nbytes`` at ``addr`` (mapped GGUF bytes: never written), which
+    keeps ``owner`` alive."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+    buf.owner = owner  # type: ignore[attr-defined]
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _device_index(t: torch.Tensor) -> int:

@@ -42,10 +42,20 @@ class KVCache:
         return self.length
 
     def store(
-        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        start: int | torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        n_keys: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``k``/``v`` at positions ``start..`` of ``layer``; returns the layer's keys
-        and values for positions ``0..start + len(k) - 1``."""
+        and values for positions ``0..start + len(k) - 1``. With ``start`` a tensor of
+        positions (a captured step, whose shapes are fixed), returns the first ``n_keys``."""
+        if isinstance(start, torch.Tensor):
+            self.k[layer].index_copy_(0, start, k.to(self.k[layer].dtype))
+            self.v[layer].index_copy_(0, start, v.to(self.v[layer].dtype))
+            return self.k[layer][:n_keys], self.v[layer][:n_keys]
         end = start + k.shape[0]
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v

@@ -29,6 +29,8 @@ __all__ = [
     "linear_group",
     "load_vector",
     "rms_norm",
+    "rope_cos_sin",
+    "rotate",
 ]
 
 
@@ -37,6 +39,7 @@ class Linear:
 
     def __init__(self, gguf: GGUFFile, name: str, shape: tuple[int, int]) -> None:
         gguf.expect(f"{name}.weight", shape)
+        self.name = f"{name}.weight"
         self.weight: QuantMatrix = gguf.matrix(f"{name}.weight")
         self.spec = self.weight.spec
         self.n, self.k = shape
@@ -52,6 +55,12 @@ def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor
     per activation type and one thread-pool dispatch for all of them (Q/K/V, gate/up)."""
     if x.dtype != torch.float32:
         raise InvalidInputError(f"activations must be float32, got {x.dtype}")
+    if x.device.type != "cpu":
+        # GPU layers (engine/gpu_layers.py): one product for a fused group, else one each.
+        group = getattr(layers[0], "group", None)
+        if group is not None and group.members == tuple(layers):
+            return group(x)
+        return [layer(x) for layer in layers]
     x = x.contiguous()
     k = x.shape[-1]
     lead = x.shape[:-1]
@@ -93,21 +102,30 @@ class HeadwiseLinear:
 class Embedding:
     """Token embedding rows, dequantized on lookup (the table stays quantized)."""
 
+    device = torch.device("cpu")
+
     def __init__(self, gguf: GGUFFile, name: str, vocab: int, hidden: int) -> None:
         info = gguf.expect(name, (vocab, hidden))
+        self.name = name
         self.raw = gguf.raw(name)
         self.qtype = info.qtype
         self.row = info.nbytes // vocab
         self.hidden = hidden
         self.vocab = vocab
 
-    def __call__(self, tokens: list[int]) -> torch.Tensor:
-        out = np.empty((len(tokens), self.hidden), dtype=np.float32)
-        for i, t in enumerate(tokens):
+    def lookup(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Checked token ids as an int64 tensor on the embedding's device."""
+        for t in tokens:
             if not 0 <= t < self.vocab:
                 raise InvalidInputError(
                     f"token id {t} is outside the vocabulary (0..{self.vocab - 1})"
                 )
+        return torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of checked ids (:meth:`lookup`), float32 ``[T, hidden]``."""
+        out = np.empty((tokens.numel(), self.hidden), dtype=np.float32)
+        for i, t in enumerate(tokens.tolist()):
             out[i] = dequantize(
                 self.raw[t * self.row : (t + 1) * self.row], self.qtype, (self.hidden,)
             )
@@ -215,35 +233,42 @@ class RopeScaling:
         return self.attn_factor
 
 
-def apply_rope(
-    x: torch.Tensor,
+def rope_cos_sin(
     pos: torch.Tensor,
     base: float,
     n_rot: int,
     scale: float,
-    neox: bool,
+    dtype: torch.dtype,
     freq_factors: torch.Tensor | None = None,
     yarn: RopeScaling | None = None,
-) -> torch.Tensor:
-    """Rotates the first ``n_rot`` dims of ``x [T, H, D]`` by position. NEOX pairs dim ``i``
-    with ``i + n_rot/2``; the original (llama) layout pairs adjacent dims. ``scale`` is the
-    frequency scale; ``yarn`` adds YaRN's ramp and magnitude scaling (see
-    :class:`RopeScaling`)."""
-    inv = _inv_freq(base, n_rot)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation of each position, ``cos``/``sin`` of shape ``[T, 1, n_rot / 2]`` on
+    ``pos``'s device; ``scale`` is the frequency scale; ``yarn`` adds YaRN's ramp and
+    magnitude scaling (see :class:`RopeScaling`)."""
+    inv = _inv_freq(base, n_rot).to(pos.device)
     if freq_factors is not None:
-        inv = inv / freq_factors.to(torch.float64)
+        inv = inv / freq_factors.to(device=pos.device, dtype=torch.float64)
     theta = pos.to(torch.float64)[:, None] * inv[None, :] * scale
     mscale = 1.0
     if yarn is not None:
         if yarn.ext_factor:
             low, high = yarn.corr_dims(n_rot, base)
-            i = torch.arange(n_rot // 2, dtype=torch.float64)
+            i = torch.arange(n_rot // 2, dtype=torch.float64, device=pos.device)
             ramp = 1 - ((i - low) / max(0.001, high - low)).clamp(0, 1)
             mix = ramp * yarn.ext_factor
             theta = theta * (1 - mix) + (theta / scale) * mix
         mscale = yarn.cos_sin_scale(scale)
-    cos = (theta.cos() * mscale).to(x.dtype)[:, None, :]
-    sin = (theta.sin() * mscale).to(x.dtype)[:, None, :]
+    return (theta.cos() * mscale).to(dtype)[:, None, :], (theta.sin() * mscale).to(dtype)[
+        :, None, :
+    ]
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: int, neox: bool
+) -> torch.Tensor:
+    """Rotates the first ``n_rot`` dims of ``x [T, H, D]`` by :func:`rope_cos_sin`'s angles.
+    NEOX pairs dim ``i`` with ``i + n_rot/2``; the original (llama) layout pairs adjacent
+    dims."""
     half = n_rot // 2
     if neox:
         x1, x2 = x[..., :half], x[..., half:n_rot]
@@ -255,33 +280,55 @@ def apply_rope(
     return torch.cat([rotated, x[..., n_rot:]], -1) if n_rot < x.shape[-1] else rotated
 
 
+def apply_rope(
+    x: torch.Tensor,
+    pos: torch.Tensor,
+    base: float,
+    n_rot: int,
+    scale: float,
+    neox: bool,
+    freq_factors: torch.Tensor | None = None,
+    yarn: RopeScaling | None = None,
+) -> torch.Tensor:
+    """Rotates the first ``n_rot`` dims of ``x [T, H, D]`` by position (:func:`rope_cos_sin`
+    then :func:`rotate`)."""
+    cos, sin = rope_cos_sin(pos, base, n_rot, scale, x.dtype, freq_factors, yarn)
+    return rotate(x, cos, sin, n_rot, neox)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal grouped-query attention of queries at positions ``start..`` over keys
     ``0..len(k)-1``; with ``window``, a query at ``p`` sees keys ``j`` with ``p - j < window``.
-    ``q [T, H, D]``, ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]``
-    (gpt-oss) are per-head logits that join each softmax's denominator and carry no value."""
+    ``start`` may instead be a tensor of the queries' positions (a captured decode step,
+    whose key range is fixed: keys past a query are masked). ``q [T, H, D]``,
+    ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]`` (gpt-oss) are
+    per-head logits that join each softmax's denominator and carry no value."""
     t, h, _ = q.shape
     n_keys = k.shape[0]
     first = 0
-    if window and t == 1:
-        first = max(0, n_keys - window)
-    k, v = k[first:], v[first:]
+    qpos = None
+    if isinstance(start, torch.Tensor):
+        qpos = start[:, None]
+    else:
+        if window and t == 1:
+            first = max(0, n_keys - window)
+            k, v = k[first:], v[first:]
+        if t > 1:
+            qpos = torch.arange(start, start + t, device=q.device)[:, None]
     mask = None
-    if t > 1:
-        qpos = torch.arange(start, start + t)[:, None]
-        kpos = torch.arange(first, n_keys)[None, :]
-        allowed = kpos <= qpos
+    if qpos is not None:
+        kpos = torch.arange(first, n_keys, device=q.device)[None, :]
+        mask = kpos <= qpos
         if window:
-            allowed &= qpos - kpos < window
-        mask = allowed
+            mask &= qpos - kpos < window
     if sinks is not None:
         k, v, mask = _with_sink(k, v, mask, sinks, t)
     out = F.scaled_dot_product_attention(
@@ -302,7 +349,7 @@ def _with_sink(
     mask, the head's sink logit) with a zero value."""
     k = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
     v = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
-    bias = torch.zeros(sinks.shape[0], t, k.shape[0], dtype=k.dtype)
+    bias = torch.zeros(sinks.shape[0], t, k.shape[0], dtype=k.dtype, device=k.device)
     if mask is not None:
         bias[..., :-1].masked_fill_(~mask, float("-inf"))
     bias[..., -1] = sinks.to(k.dtype)[:, None]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from freetoken.engine.cuda_graph import GraphDecoder
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.moe import MoeContext
 from freetoken.errors import GGUFError, InvalidInputError
@@ -22,15 +23,16 @@ from freetoken.models.layers import (
     HeadwiseLinear,
     Linear,
     RopeScaling,
-    apply_rope,
     attention,
     default_attn_scale,
     linear_group,
     load_vector,
     rms_norm,
+    rope_cos_sin,
+    rotate,
 )
 
-__all__ = ["DenseFFN", "Features", "MLAShape", "Transformer"]
+__all__ = ["DenseFFN", "Features", "MLAShape", "Span", "Step", "Transformer"]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -63,6 +65,34 @@ class Features:
     mla: bool = False
     #: Read ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 does.
     yarn_log_mul: bool = False
+
+
+@dataclass
+class Span:
+    """One sequence's rows of a batch: ``n`` tokens from position ``start`` in ``cache``.
+    In a captured decode step ``start`` is a tensor of the rows' positions and ``n_keys``
+    the fixed number of cached positions attention reads (the rest masked)."""
+
+    start: int | torch.Tensor
+    n: int
+    cache: KVCache
+    n_keys: int | None = None
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the rows' keys and values; returns the keys and values attention reads."""
+        return self.cache.store(layer, self.start, k, v, self.n_keys)
+
+
+@dataclass
+class Step:
+    """What the layers of one forward pass share: the rows' positions (on the model's
+    device), the sequences, and the RoPE tables made so far."""
+
+    pos: torch.Tensor
+    spans: list[Span]
+    rope: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -268,15 +298,30 @@ class Transformer:
             else None
         )
 
-    def new_cache(self, n_ctx: int) -> KVCache:
-        """An empty KV cache for one sequence of up to ``n_ctx`` tokens."""
+    #: Where the model's tensors live (set by GPU placement).
+    device = torch.device("cpu")
+    #: Decode steps as CUDA graphs (set by GPU placement when every layer can be captured).
+    graphs: GraphDecoder | None = None
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """Per position and layer: (heads, key dims, value dims) of the cache."""
         c, m = self.cfg, self.mla
         if m is not None and m.latent:
             # The latent and RoPE key are the keys; the values are the latent part of them.
-            return KVCache(c.n_layers, n_ctx, 1, m.kv_lora + m.rope, 0)
+            return 1, m.kv_lora + m.rope, 0
         if m is not None:
-            return KVCache(c.n_layers, n_ctx, c.n_heads, m.nope + m.rope, m.v)
-        return KVCache(c.n_layers, n_ctx, c.n_kv_heads, c.head_dim, c.head_dim_v)
+            return c.n_heads, m.nope + m.rope, m.v
+        return c.n_kv_heads, c.head_dim, c.head_dim_v
+
+    def kv_bytes(self, n_ctx: int) -> int:
+        """Bytes of one sequence's KV cache of ``n_ctx`` positions (float32)."""
+        heads, dk, dv = self._kv_shape()
+        return 4 * self.cfg.n_layers * n_ctx * heads * (dk + dv)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        """An empty KV cache for one sequence of up to ``n_ctx`` tokens, on the model's
+        device."""
+        return KVCache(self.cfg.n_layers, n_ctx, *self._kv_shape(), device=self.device)
 
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Runs ``tokens`` after the cache's positions; returns float32 logits for the last
@@ -290,46 +335,53 @@ class Transformer:
         """Runs several sequences in one pass (continuous batching): the weight products see
         all their rows together, attention runs per sequence on its own cache. Returns each
         sequence's logits as :meth:`forward` does."""
-        cfg = self.cfg
         spans = []
         for tokens, cache in seqs:
             if not tokens:
                 raise InvalidInputError("a sequence in the batch has no tokens")
-            spans.append((cache.reserve(len(tokens)), len(tokens), cache))
+            spans.append(Span(cache.reserve(len(tokens)), len(tokens), cache))
         flat = [t for tokens, _ in seqs for t in tokens]
-        pos = torch.cat([torch.arange(start, start + n) for start, n, _ in spans])
-        x = self.embed(flat)
+        dev = self.device
+        ids = self.embed.lookup(flat)
+        if self.graphs is not None and len(flat) == 1:
+            return [self.graphs.step(flat[0], spans[0].cache).cpu()]
+        pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
+        ends = None
+        if not all_logits:
+            ends = (torch.tensor([0] + [sp.n for sp in spans]).cumsum(0)[1:] - 1).to(dev)
+        logits = self.run(ids, Step(pos, spans), ends).cpu()
+        for sp in spans:
+            sp.cache.commit(sp.n)
+        if not all_logits:
+            return list(logits.unbind(0))
+        return list(logits.split([sp.n for sp in spans]))
+
+    def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward pass on tensors: token ids ``[T]`` (on the model's device) at
+        ``step``'s positions; logits of the ``rows`` given, or of every token. Nothing here
+        reads a tensor back to the host on the GPU path, so a decode step can be captured as
+        a CUDA graph."""
+        cfg = self.cfg
+        x = self.embed(tokens)
         if self.feat.embed_scale:
             x = x * math.sqrt(cfg.hidden)
         for i, blk in enumerate(self.blocks):
-            x = self._layer(i, blk, x, pos, spans)
-        for _, n, cache in spans:
-            cache.commit(n)
-        if not all_logits:
-            ends = torch.tensor([0] + [n for _, n, _ in spans]).cumsum(0)[1:] - 1
-            x = x[ends]
+            x = self._layer(i, blk, x, step)
+        if rows is not None:
+            x = x[rows]
         logits = self.output(rms_norm(x, self.output_norm, cfg.norm_eps))
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        if not all_logits:
-            return list(logits.unbind(0))
-        return list(logits.split([n for _, n, _ in spans]))
+        return logits
 
-    def _layer(
-        self,
-        i: int,
-        blk: Block,
-        x: torch.Tensor,
-        pos: torch.Tensor,
-        spans: list[tuple[int, int, KVCache]],
-    ) -> torch.Tensor:
+    def _layer(self, i: int, blk: Block, x: torch.Tensor, step: Step) -> torch.Tensor:
         cfg = self.cfg
         h = rms_norm(x, blk.attn_norm, cfg.norm_eps)
         if blk.mla is not None:
-            a = blk.wo(self._mla_attention(i, blk.mla, blk, h, pos, spans))
+            a = blk.wo(self._mla_attention(i, blk.mla, blk, h, step))
         else:
-            a = blk.wo(self._attention(i, blk, h, pos, spans))
+            a = blk.wo(self._attention(i, blk, h, step))
         if blk.post_attn_norm is not None:
             a = rms_norm(a, blk.post_attn_norm, cfg.norm_eps)
         x = x + a
@@ -339,25 +391,28 @@ class Transformer:
             f = rms_norm(f, blk.post_ffn_norm, cfg.norm_eps)
         return x + f
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor, blk: Block, n_rot: int) -> torch.Tensor:
-        return apply_rope(
-            x,
-            pos,
-            blk.rope_base,
-            n_rot,
-            blk.rope_scale,
-            self.feat.rope_neox,
-            self.rope_factors,
-            self.rope,
-        )
+    def _rope(self, x: torch.Tensor, step: Step, blk: Block, n_rot: int) -> torch.Tensor:
+        # One cos/sin table per (base, scale) and step, shared by the layers.
+        key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype)
+        if key not in step.rope:
+            step.rope[key] = rope_cos_sin(
+                step.pos,
+                blk.rope_base,
+                n_rot,
+                blk.rope_scale,
+                x.dtype,
+                self.rope_factors,
+                self.rope,
+            )
+        cos, sin = step.rope[key]
+        return rotate(x, cos, sin, n_rot, self.feat.rope_neox)
 
     def _attention(
         self,
         i: int,
         blk: Block,
         h: torch.Tensor,
-        pos: torch.Tensor,
-        spans: list[tuple[int, int, KVCache]],
+        step: Step,
     ) -> torch.Tensor:
         """Grouped-query attention of layer ``i``, before the output projection."""
         cfg = self.cfg
@@ -373,14 +428,17 @@ class Transformer:
         if blk.q_norm is not None and blk.k_norm is not None and not self.feat.qk_norm_full:
             q = rms_norm(q, blk.q_norm, cfg.norm_eps)
             k = rms_norm(k, blk.k_norm, cfg.norm_eps)
-        q = self._rope(q, pos, blk, cfg.rope_dim)
-        k = self._rope(k, pos, blk, cfg.rope_dim)
+        q = self._rope(q, step, blk, cfg.rope_dim)
+        k = self._rope(k, step, blk, cfg.rope_dim)
         window = cfg.sliding_window if blk.swa else 0
         outs, row = [], 0
-        for start, n, cache in spans:
-            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
+        for sp in step.spans:
+            n = sp.n
+            k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
             outs.append(
-                attention(q[row : row + n], k_all, v_all, start, self.attn_scale, window, blk.sinks)
+                attention(
+                    q[row : row + n], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                )
             )
             row += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -391,8 +449,7 @@ class Transformer:
         w: MLAWeights,
         blk: Block,
         h: torch.Tensor,
-        pos: torch.Tensor,
-        spans: list[tuple[int, int, KVCache]],
+        step: Step,
     ) -> torch.Tensor:
         """Multi-head latent attention of layer ``i`` (see :class:`MLAShape`), before the
         output projection: ``[T, heads * v]``."""
@@ -400,10 +457,10 @@ class Transformer:
         assert s is not None
         t, nh, eps = h.shape[0], cfg.n_heads, cfg.norm_eps
         q_nope, q_pe = w.q(h, eps).view(t, nh, s.nope + s.rope).split([s.nope, s.rope], -1)
-        q_pe = self._rope(q_pe, pos, blk, s.rope)
+        q_pe = self._rope(q_pe, step, blk, s.rope)
         c, k_pe = w.wkv_a(h).split([s.kv_lora, s.rope], -1)
         c = rms_norm(c, w.kv_a_norm, eps)
-        k_pe = self._rope(k_pe.reshape(t, 1, s.rope), pos, blk, s.rope)
+        k_pe = self._rope(k_pe.reshape(t, 1, s.rope), step, blk, s.rope)
         if w.wk_b is not None and w.wv_b is not None:
             # Absorb k_b into the queries: q_nope . (k_b c) = (k_b^T q_nope) . c, so every
             # head attends over the one cached latent; v_b expands the result per head.
@@ -416,11 +473,12 @@ class Transformer:
             q = torch.cat([q_nope, q_pe], -1)
             k = torch.cat([k_nope, k_pe.expand(t, nh, s.rope)], -1)
         outs, row = [], 0
-        for start, n, cache in spans:
-            k_all, v_all = cache.store(i, start, k[row : row + n], v[row : row + n])
+        for sp in step.spans:
+            n = sp.n
+            k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
             if s.latent:
                 v_all = k_all[..., : s.kv_lora]
-            outs.append(attention(q[row : row + n], k_all, v_all, start, self.attn_scale))
+            outs.append(attention(q[row : row + n], k_all, v_all, sp.start, self.attn_scale))
             row += n
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if w.wv_b is not None:
