@@ -4,6 +4,8 @@
 #   bash scripts/device.sh prepare        here, on a dev machine: fills .ft-device/ (ignored)
 #   bash scripts/device.sh build test     on the GPU machine, with .ft-device carried
 #   bash scripts/device.sh bench          on the GPU machine, after build (same /tmp)
+#   bash scripts/device.sh bench-e2e      on the GPU machine: the 48-layer model (written by
+#                                         bench-model if missing) against llama-bench
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
 #   UI or unused backends: about 31 MB) and the abi3 wheel, built with the explicit GGML CPU
@@ -43,8 +45,15 @@ prepare() {
     cp -a "$src" "$DEV/llama.cpp"
     (
         cd "$DEV/llama.cpp"
+        # The test models' vocabularies stay (llama-spm for the small ones, qwen2 for the
+        # Qwen3-30B-A3B-shaped benchmark model).
+        mkdir -p ../vocab
+        cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
         rm -rf docs models tests examples pocs media gguf-py benches tools/ui tools/server \
             .freetoken-complete
+        mkdir models
+        mv ../vocab/*.gguf models/
+        rmdir ../vocab
         for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan \
             webgpu zdnn zendnn; do
             rm -rf "ggml/src/ggml-$b"
@@ -56,6 +65,8 @@ prepare() {
     CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/ft-wheel-target} \
         FREETOKEN_GGML_CPU_OPTIONS="$CPU_OPTIONS" \
         maturin build --release --out "$DEV/wheels"
+    # gguf-py (pure Python) is not on the GPU machine's image.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$DEV/wheels" gguf==0.19.0
     du -sh "$DEV" >&2
 }
 
@@ -91,7 +102,7 @@ build() {
 install_wheel() {
     rm -rf "$FT_SITE"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$FT_SITE" \
-        "$DEV"/wheels/freetoken-*.whl
+        "$DEV"/wheels/*.whl
     # The working tree's Python sources over the wheel's: a Python-only change needs no new
     # wheel (the extension module stays the wheel's).
     (cd python && find freetoken -name '*.py' -exec cp --parents {} "$FT_SITE/" \;)
@@ -100,6 +111,7 @@ install_wheel() {
 env_for_tests() {
     export PYTHONPATH=$FT_SITE PYTHONUNBUFFERED=1
     export FREETOKEN_CUDA_LIB=$FT_BUILD/libfreetoken_cuda.so
+    export FREETOKEN_LLAMA_SRC=$DEV/llama.cpp
 }
 
 run_tests() {
@@ -123,6 +135,34 @@ bench() {
     fi
 }
 
+# The Qwen3-30B-A3B-shaped benchmark model (issue 6): 48 layers, 128 experts, top-8, Q4_0
+# experts, Q8_0 attention and output, uniform routing; 4 layers' experts tiled (make-test-model
+# --tile-experts) so it is written in about two minutes.
+BENCH_MODEL=${FT_BENCH_MODEL:-/tmp/ft-models/qwen3moe-30b-a3b-48l-q4_0.gguf}
+
+bench_model() {
+    [ -d "$FT_SITE/freetoken" ] || install_wheel
+    env_for_tests
+    [ -f "$BENCH_MODEL" ] && return
+    mkdir -p "$(dirname "$BENCH_MODEL")"
+    local t0=$SECONDS
+    python3 -m freetoken make-test-model --arch qwen3moe --layers 48 --hidden 2048 --heads 32 \
+        --kv-heads 4 --head-dim 128 --experts 128 --top-k 8 --expert-ffn 768 --ffn 768 \
+        --quant q8_0,exps=q4_0 --vocab "$DEV/llama.cpp/models/ggml-vocab-qwen2.gguf" \
+        --tile-experts 4 --seed 1 -o "$BENCH_MODEL" 2>&1 | tail -5
+    log "wrote $BENCH_MODEL ($(du -h "$BENCH_MODEL" | cut -f1)) in $((SECONDS - t0)) s"
+}
+
+# FreeToken (all experts resident; dense weights both ways) against llama-bench -ngl 99.
+bench_e2e() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    bench_model
+    python3 benches/bench_gpu_vs_llamacpp.py -m "$BENCH_MODEL" \
+        --llama-bench "$FT_BUILD/bin/llama-bench" -p 512 -n 64 -r 3 -t "$(nproc)" \
+        --configs "${FT_CONFIGS:-gpu/quant,gpu/bf16}" --json "$OUT/bench_e2e.json" 2>&1 |
+        tee "$OUT/bench_e2e.log"
+}
+
 [ $# -gt 0 ] || {
     sed -n '2,17p' "$0"
     exit 2
@@ -133,8 +173,10 @@ for phase in "$@"; do
     build) build ;;
     test) run_tests ;;
     bench) bench ;;
+    bench-model) bench_model ;;
+    bench-e2e) bench_e2e ;;
     *)
-        log "unknown phase $phase (prepare, build, test, bench)"
+        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e)"
         exit 2
         ;;
     esac

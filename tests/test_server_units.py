@@ -374,7 +374,8 @@ def test_moe_counters_become_metrics() -> None:
     from freetoken.server import _moe_counters
 
     snap = [(2, 16, 6, 1000, 8, 3, 500), (2, 16, 5, 900, 8, 4, 400)]
-    model = SimpleNamespace(moe=SimpleNamespace(counters=SimpleNamespace(snapshot=lambda: snap)))
+    counters = SimpleNamespace(snapshot=lambda: snap)
+    model = SimpleNamespace(moe=SimpleNamespace(collect=lambda: counters))
     reg = Registry()
     reg.add_source(_moe_counters(model))
     text = reg.render()

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from freetoken import __version__
+from freetoken.engine import options as engine_options
 from freetoken.errors import FreeTokenError
 
 __all__ = ["main"]
@@ -17,6 +18,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (0: model's)")
     p.add_argument("-v", "--verbose", action="store_true", help="print more")
+    engine_options.add_arguments(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,7 @@ def _load(args: argparse.Namespace) -> object:
         n_threads=args.threads,
         verbose=args.verbose,
         progress=True,
+        engine=engine_options.from_args(args),
     )
 
 

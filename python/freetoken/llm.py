@@ -15,7 +15,9 @@ import torch
 
 from freetoken import _core
 from freetoken.default_model import default_model_path
+from freetoken.engine import options as engine_options
 from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.options import EngineOptions
 from freetoken.engine.sampler import Sampler, SamplingParams
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
@@ -96,6 +98,7 @@ class LLM:
         n_threads: int | None = None,
         verbose: bool = False,
         progress: bool = False,
+        engine: EngineOptions | None = None,
     ) -> None:
         path = default_model_path() if model is None else model
         if n_threads is not None:
@@ -108,11 +111,14 @@ class LLM:
         self.path = os.fspath(path)
         self.gguf = GGUFFile(self.path)
         bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
-        self.model = load_model(self.gguf, bar)
+        engine = engine or EngineOptions()
+        self.model = load_model(self.gguf, bar, engine.moe_cpu_threads)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length
         self.n_ctx = n_ctx
+        #: Where the model went (None: all on the CPU).
+        self.placement = engine_options.apply(self.model, engine, n_ctx)
         # Allocated on first use: the server brings its own caches.
         self._cache: KVCache | None = None
         self._tokens: list[int] = []

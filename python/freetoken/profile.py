@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from freetoken.engine import options as engine_options
 from freetoken.errors import InvalidInputError, UnsupportedError
 
 __all__ = ["FORMAT", "add_arguments", "expert_profile", "run"]
@@ -25,7 +26,7 @@ def expert_profile(llm: Any) -> dict[str, Any]:
         raise UnsupportedError(f"{llm.path} is not a mixture-of-experts model")
     cfg = llm.model.cfg
     layers = []
-    for i, counts in enumerate(moe.counters.expert_counts()):
+    for i, counts in enumerate(moe.collect().expert_counts()):
         if counts:
             layers.append({"layer": i, "routes": sum(counts), "counts": list(counts)})
     top_k = cfg.n_experts_used
@@ -62,7 +63,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"cannot read --prompts {args.prompts}: {e.strerror}") from None
     if not prompts:
         raise InvalidInputError(f"{args.prompts} holds no prompts")
-    llm = LLM(args.model, n_ctx=args.ctx_size, n_threads=args.threads, progress=True)
+    llm = LLM(
+        args.model,
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+        progress=True,
+        engine=engine_options.from_args(args),
+    )
     expert_profile(llm)  # fails early on a dense model
     for prompt in prompts:
         for _ in llm.generate(prompt, max_tokens=args.n_predict, stream=True, temperature=0):

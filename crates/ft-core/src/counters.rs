@@ -76,6 +76,22 @@ impl MoeCounters {
         }
     }
 
+    /// Adds per-expert route counts gathered elsewhere (on the GPU, where routes are counted
+    /// on the device and read back now and then) to `layer`'s, and their sum to its routes.
+    pub fn add_expert_counts(&self, layer: usize, counts: &[u64]) {
+        if let Some(c) = self.layers.get(layer) {
+            let mut per = c.per_expert.lock().unwrap_or_else(|e| e.into_inner());
+            if per.len() < counts.len() {
+                per.resize(counts.len(), 0);
+            }
+            for (p, n) in per.iter_mut().zip(counts) {
+                *p += n;
+            }
+            c.routes
+                .fetch_add(counts.iter().sum::<u64>(), Ordering::Relaxed);
+        }
+    }
+
     /// Routes per expert, per layer, since the start (empty for layers never run).
     pub fn expert_counts(&self) -> Vec<Vec<u64>> {
         self.layers

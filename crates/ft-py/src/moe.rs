@@ -32,6 +32,18 @@ impl PyMoeCounters {
         self.inner.expert_counts()
     }
 
+    /// Adds per-expert route counts of `layer` counted elsewhere (the GPU path).
+    fn add_expert_counts(&self, layer: usize, counts: Vec<u64>) -> PyResult<()> {
+        if layer >= self.inner.n_layers() {
+            return Err(to_py(Error::Shape(format!(
+                "layer {layer} is outside the counters' {} layers",
+                self.inner.n_layers()
+            ))));
+        }
+        self.inner.add_expert_counts(layer, &counts);
+        Ok(())
+    }
+
     /// Per layer: (steps, routes, distinct experts, weight bytes, and the same three for the
     /// last step).
     fn snapshot(&self) -> Vec<(u64, u64, u64, u64, u64, u64, u64)> {
@@ -240,6 +252,12 @@ impl PyMoeLayer {
         self.up.n_experts()
     }
 
+    /// The layer's index in the model (its counters' slot).
+    #[getter]
+    fn index(&self) -> usize {
+        self.index
+    }
+
     /// (gate, up, down) type ids.
     #[getter]
     fn types(&self) -> (u32, u32, u32) {
@@ -250,6 +268,44 @@ impl PyMoeLayer {
     #[getter]
     fn expert_bytes(&self) -> usize {
         self.gate.expert_bytes() + self.up.expert_bytes() + self.down.expert_bytes()
+    }
+
+    /// Per kind ("gate", "up", "down"): (type id, rows, k, and each expert's matrix as an
+    /// (address, bytes) range of the mapping), for engines that copy experts elsewhere (GPU
+    /// slots). The addresses stay valid while this layer lives.
+    fn matrices(&self, kind: &str) -> PyResult<(u32, usize, usize, Vec<(usize, usize)>)> {
+        let t = match kind {
+            "gate" => &self.gate,
+            "up" => &self.up,
+            "down" => &self.down,
+            other => {
+                return Err(to_py(Error::InvalidInput(format!(
+                    "expert matrix kind `{other}` (gate, up or down)"
+                ))))
+            }
+        };
+        let ranges = t
+            .slices(&self.file)
+            .iter()
+            .map(|s| (s.as_ptr() as usize, s.len()))
+            .collect();
+        Ok((t.ty.id(), t.rows, t.k, ranges))
+    }
+
+    /// The activation between gate/up and down: "silu", "gelu" or "swiglu_oai".
+    #[getter]
+    fn act(&self) -> &'static str {
+        match self.act {
+            Activation::Silu => "silu",
+            Activation::Gelu => "gelu",
+            Activation::SwigluOai { .. } => "swiglu_oai",
+        }
+    }
+
+    /// Whether the experts have biases (gpt-oss).
+    #[getter]
+    fn has_biases(&self) -> bool {
+        self.biases.iter().any(Option::is_some)
     }
 }
 

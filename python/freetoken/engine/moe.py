@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,10 +65,18 @@ class MoeFFN:
 
 @dataclass
 class MoeContext:
-    """What a model's MoE layers share: the executor and the per-layer counters."""
+    """What a model's MoE layers share: the executor and the per-layer counters. Layers that
+    count elsewhere (the GPU, on the device) register a flush in ``collectors``."""
 
     executor: _core.MoeExecutor
     counters: _core.MoeCounters
+    collectors: list[Callable[[], None]] = field(default_factory=list)
+
+    def collect(self) -> _core.MoeCounters:
+        """The counters, with every count made elsewhere added in."""
+        for flush in self.collectors:
+            flush()
+        return self.counters
 
 
 def expert_layer(

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from freetoken.engine import options as engine_options
+
 __all__ = ["add_arguments", "build_state", "run"]
 
 
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-b", "--batch-size", type=int, default=256, help="prompt tokens evaluated per step"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    engine_options.add_arguments(p)
 
 
 def _model_names(path: str, alias: str) -> frozenset[str]:
@@ -57,12 +60,11 @@ MOE_SERIES = (
 def _moe_counters(model: Any) -> Any:
     """A metrics source for the MoE counters of ``model`` (nothing for a dense model)."""
     moe = getattr(model, "moe", None)
-    counters = getattr(moe, "counters", None)
 
     def source() -> list[tuple[str, str, str, float]]:
-        if counters is None:
+        if moe is None:
             return []
-        sums = [sum(col) for col in zip(*counters.snapshot(), strict=True)] or [0] * 7
+        sums = [sum(col) for col in zip(*moe.collect().snapshot(), strict=True)] or [0] * 7
         return [
             (f"freetoken_moe_{name}", kind, help_text, float(v))
             for (name, kind, help_text), v in zip(MOE_SERIES, sums, strict=True)
@@ -129,7 +131,13 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    llm = LLM(args.model, n_ctx=args.ctx_size, n_threads=args.threads, progress=True)
+    llm = LLM(
+        args.model,
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+        progress=True,
+        engine=engine_options.from_args(args),
+    )
     state = build_state(
         llm,
         alias=args.alias,

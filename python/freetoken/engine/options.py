@@ -1,0 +1,135 @@
+"""Where a model runs: the engine flags shared by ``generate``, ``bench``, ``serve`` and
+``profile``, and :func:`apply` that acts on them after loading."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from freetoken.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from freetoken.engine.placement import Placement
+    from freetoken.models.transformer import Transformer
+
+__all__ = [
+    "CACHE_SCOPES",
+    "DENSE_MODES",
+    "DEVICES",
+    "MOE_STRATEGIES",
+    "EngineOptions",
+    "add_arguments",
+    "apply",
+    "from_args",
+]
+
+DEVICES = ("auto", "cpu", "cuda")
+#: ``cpu`` keeps the experts on the CPU executor, the dense layers still on the GPU
+#: (``hybrid`` comes with issue 7).
+MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload")
+#: One slot pool per expert type triple, or per layer.
+CACHE_SCOPES = ("per-type", "per-layer")
+#: How dense weights run on the GPU (engine/gpu_layers.py).
+DENSE_MODES = ("quant", "bf16")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """``device``: ``auto`` (the GPU when there is one), ``cpu`` or ``cuda``.
+    ``moe_strategy``: where routed experts run with a GPU: ``auto``, ``cpu`` (the CPU expert
+    executor), ``gpu`` (all resident) or ``offload`` (slot pools filled on demand).
+    ``dense_weights``: ``quant`` (ggml-cuda MMVQ/MMQ on the GGUF types) or ``bf16``.
+    ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``per-type`` or
+    ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
+    them. ``moe_cpu_threads``: the CPU expert executor's threads."""
+
+    device: str = "auto"
+    moe_strategy: str = "auto"
+    dense_weights: str = "quant"
+    moe_cache_mib: int | None = None
+    moe_cache_scope: str = "per-type"
+    moe_cache_profile: str | None = None
+    moe_cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for value, allowed, flag in (
+            (self.device, DEVICES, "--device"),
+            (self.moe_strategy, MOE_STRATEGIES, "--moe-strategy"),
+            (self.dense_weights, DENSE_MODES, "--dense-weights"),
+            (self.moe_cache_scope, CACHE_SCOPES, "--moe-cache-scope"),
+        ):
+            if value not in allowed:
+                raise InvalidInputError(f"{flag} {value}: choose one of {', '.join(allowed)}")
+        if self.moe_cache_mib is not None and self.moe_cache_mib < 0:
+            raise InvalidInputError(f"--moe-cache-mib must be >= 0, got {self.moe_cache_mib}")
+        if self.moe_cpu_threads is not None and self.moe_cpu_threads < 1:
+            raise InvalidInputError(
+                f"--moe-cpu-threads must be at least 1, got {self.moe_cpu_threads}"
+            )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the engine flags to ``p``."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
+    g.add_argument(
+        "--moe-strategy",
+        choices=MOE_STRATEGIES,
+        default="auto",
+        help="where routed experts run with a GPU (auto: gpu when all fit, else offload)",
+    )
+    g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
+    g.add_argument("--moe-cache-mib", type=int, default=None, help="GPU expert cache size")
+    g.add_argument("--moe-cache-scope", choices=CACHE_SCOPES, default="per-type")
+    g.add_argument("--moe-cache-profile", default=None, help="expert-use profile (JSON)")
+    g.add_argument(
+        "--dense-weights", choices=DENSE_MODES, default="quant", help="GPU dense products"
+    )
+
+
+def from_args(args: argparse.Namespace) -> EngineOptions:
+    """The options of parsed :func:`add_arguments` flags."""
+    return EngineOptions(
+        device=args.device,
+        moe_strategy=args.moe_strategy,
+        dense_weights=args.dense_weights,
+        moe_cache_mib=args.moe_cache_mib,
+        moe_cache_scope=args.moe_cache_scope,
+        moe_cache_profile=args.moe_cache_profile,
+        moe_cpu_threads=args.moe_cpu_threads,
+    )
+
+
+def use_gpu(opts: EngineOptions) -> bool:
+    """Whether the model goes to the GPU (``auto``: when torch and libfreetoken_cuda see
+    one; otherwise FreeToken runs CPU-only, and the library loader said why)."""
+    if opts.device == "cpu":
+        return False
+    import torch
+
+    from freetoken.engine import gpu
+
+    ready = gpu.available() and torch.cuda.is_available()
+    if opts.device == "cuda" and not ready:
+        from freetoken.errors import UnsupportedError
+
+        raise UnsupportedError(f"--device cuda: no usable GPU ({gpu.status().detail})")
+    return ready
+
+
+def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | None:
+    """Places ``model`` per ``opts`` (nothing to do on the CPU); returns the placement."""
+    if not use_gpu(opts):
+        return None
+    from freetoken.engine.placement import place_on_gpu
+
+    return place_on_gpu(
+        model,
+        strategy=opts.moe_strategy,
+        dense=opts.dense_weights,
+        n_ctx=n_ctx,
+        cache_mib=opts.moe_cache_mib,
+        cache_scope=opts.moe_cache_scope,
+        cache_profile=opts.moe_cache_profile,
+    )
