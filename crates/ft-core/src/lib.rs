@@ -1,8 +1,10 @@
 //! ft-core: no Python, no CUDA. The GGUF file, parsed and mapped once, with every offset
 //! and size checked against the file before use.
 
+pub mod cache_plan;
 pub mod counters;
 pub mod experts;
 pub mod gguf;
+pub mod slots;
 
 pub use freetoken_ggml::{Error, GgmlType, Result};

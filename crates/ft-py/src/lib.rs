@@ -7,6 +7,7 @@ mod gguf;
 mod memory;
 mod moe;
 mod quant;
+mod slots;
 mod threads;
 
 use pyo3::prelude::*;
@@ -29,5 +30,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
     cuda::register(m)?;
+    slots::register(m)?;
     Ok(())
 }

@@ -92,6 +92,9 @@ fn f32_bias(
     Ok(Some((t.file, t.offset, t.nbytes)))
 }
 
+/// (type id, rows, k, each expert's (address, bytes)): one kind of a layer's expert matrices.
+type ExpertMatrices = (u32, usize, usize, Vec<(usize, usize)>);
+
 /// One MoE layer: its experts' weights in the mapping, biases, activation, counter slot.
 #[pyclass(frozen, name = "MoeLayer")]
 pub struct PyMoeLayer {
@@ -273,7 +276,7 @@ impl PyMoeLayer {
     /// Per kind ("gate", "up", "down"): (type id, rows, k, and each expert's matrix as an
     /// (address, bytes) range of the mapping), for engines that copy experts elsewhere (GPU
     /// slots). The addresses stay valid while this layer lives.
-    fn matrices(&self, kind: &str) -> PyResult<(u32, usize, usize, Vec<(usize, usize)>)> {
+    fn matrices(&self, kind: &str) -> PyResult<ExpertMatrices> {
         let t = match kind {
             "gate" => &self.gate,
             "up" => &self.up,

@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine import gpu
+from freetoken.engine.options import DENSE_MODES
 from freetoken.errors import InvalidInputError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.quant import dequantize, type_info
 
-__all__ = ["DENSE_MODES", "GpuEmbedding", "GpuHeadwise", "GpuLinear", "GpuLinearGroup"]
+__all__ = ["GpuEmbedding", "GpuHeadwise", "GpuLinear", "GpuLinearGroup"]
 
-#: ``--dense-weights`` choices.
-DENSE_MODES = ("bf16", "quant")
 
 _F32 = type_info("F32").id
 

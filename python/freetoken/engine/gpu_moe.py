@@ -1,0 +1,367 @@
+"""MoE layers on the GPU: routing in torch, the routed experts by ggml-cuda (one
+``gpu.moe_layer`` launch per layer) on slot pools.
+
+Strategies (``--moe-strategy``):
+
+- ``gpu``: every expert resident. One pool per (gate, up, down) type triple holds the experts
+  of all its layers back to back, so a layer's slots are its expert ids plus a base, computed
+  on the device: nothing reads back to the host and decode steps can be captured as a graph.
+- ``offload``: pools smaller than the experts, filled on demand. A decode step (up to 8
+  tokens) reads the layer's routes back, places them with the pool's LRU
+  (:class:`freetoken.engine.slots.SlotCache`), uploads the missed experts from host memory and
+  launches on the slots. A prefill chunk (more tokens) streams whole expert layers into two
+  staging buffers outside the pools instead, double-buffered on a copy stream: the upload of
+  the next MoE layer overlaps the compute of this one.
+
+Layers the GPU kernels cannot serve (gpt-oss's clamped SwiGLU and expert biases, or types
+without MMVQ/MMQ) stay on the CPU expert executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from freetoken import _core
+from freetoken.engine import gpu
+from freetoken.engine.moe import MoeFFN
+from freetoken.engine.routing import Routing, route
+from freetoken.engine.slots import CachePlan, LayerSpec, SlotCache, Upload
+from freetoken.errors import InvalidInputError
+
+__all__ = [
+    "ExpertLayer",
+    "GpuMoeFFN",
+    "OffloadExperts",
+    "ResidentExperts",
+    "gpu_servable",
+    "pin_host_memory",
+]
+
+KINDS = ("gate", "up", "down")
+#: Above this many tokens a layer call streams the whole layer (MMQ's regime: most experts
+#: are hit anyway) instead of placing routes in slots.
+MAX_SLOT_TOKENS = 8
+#: cudaHostRegisterPortable | cudaHostRegisterReadOnly (the mapping is read-only).
+_REGISTER_FLAGS = 1 | 8
+
+
+@dataclass(frozen=True)
+class Matrices:
+    """One kind of expert matrix of one layer: type, shape and each expert's host bytes."""
+
+    qtype: int
+    rows: int
+    k: int
+    ranges: list[tuple[int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ranges[0][1]
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One MoE layer's experts as the GPU path sees them."""
+
+    layer: _core.MoeLayer
+    top_k: int
+    gate: Matrices
+    up: Matrices
+    down: Matrices
+
+    @classmethod
+    def of(cls, ffn: MoeFFN) -> ExpertLayer:
+        """The experts of a CPU MoE feed-forward."""
+        layer = ffn.layer
+        return cls(layer, ffn.routing.top_k, *(Matrices(*layer.matrices(k)) for k in KINDS))
+
+    def spec(self) -> LayerSpec:
+        """What the pool planner needs to know of this layer."""
+        return LayerSpec.from_shapes(
+            self.index,
+            [m.qtype for m in self.kinds],
+            [(m.rows, m.k) for m in self.kinds],
+            self.n_experts,
+            self.top_k,
+        )
+
+    @property
+    def index(self) -> int:
+        return int(self.layer.index)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.layer.n_experts)
+
+    @property
+    def kinds(self) -> tuple[Matrices, Matrices, Matrices]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def expert_nbytes(self) -> int:
+        return sum(m.nbytes for m in self.kinds)
+
+    def host(self, kind: int, first: int, count: int) -> torch.Tensor:
+        """The bytes of experts ``first..first+count-1`` of one kind, as a CPU tensor over the
+        mapping (contiguous in the stacked layout; per-expert tensors are copied)."""
+        m = self.kinds[kind]
+        parts = m.ranges[first : first + count]
+        start, size = parts[0][0], m.nbytes
+        if all(a == start + i * size for i, (a, _) in enumerate(parts)):
+            return gpu.host_tensor(start, size * count, self.layer)
+        return torch.cat([gpu.host_tensor(a, n, self.layer) for a, n in parts])
+
+
+def gpu_servable(ex: ExpertLayer, n_tokens: int = 1) -> bool:
+    """Whether ggml-cuda's kernels serve this layer at ``n_tokens`` (act, biases, types)."""
+    if ex.layer.act not in ("silu", "gelu") or ex.layer.has_biases:
+        return False
+    return all(gpu.kernel_for(m.qtype, n_tokens) for m in ex.kinds)
+
+
+def pin_host_memory(layers: Sequence[ExpertLayer]) -> bool:
+    """Page-locks the mapped expert bytes (cudaHostRegister, read-only) so uploads run
+    asynchronously at full PCIe speed; False (uploads still work, synchronously) if the host
+    refuses, e.g. over RLIMIT_MEMLOCK."""
+    cudart = torch.cuda.cudart()
+    for ex in layers:
+        for m in ex.kinds:
+            start = m.ranges[0][0]
+            end = m.ranges[-1][0] + m.nbytes
+            if end - start != m.nbytes * len(m.ranges):
+                continue  # per-expert tensors: left pageable
+            if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
+                torch.cuda.synchronize()
+                return False
+    return True
+
+
+def _pools(
+    ex: ExpertLayer, n_slots: int, device: torch.device, memory: Sequence[torch.Tensor] = ()
+) -> tuple[gpu.ExpertPool, gpu.ExpertPool, gpu.ExpertPool]:
+    mems = list(memory) or [None, None, None]
+    gate, up, down = (
+        gpu.ExpertPool(m.qtype, m.k, m.rows, n_slots, device=device, memory=mem)
+        for m, mem in zip(ex.kinds, mems, strict=True)
+    )
+    return gate, up, down
+
+
+class _PlannedPools:
+    """The slot pools of a :class:`~freetoken.engine.slots.CachePlan`, each with its LRU
+    bookkeeping, seeded with the plan's residents."""
+
+    def __init__(
+        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
+    ) -> None:
+        self.device = device
+        self.layers = {ex.index: ex for ex in layers}
+        self.of_layer: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...]]] = {}
+        self.uploaded_bytes = 0
+        for pp in plan.pools:
+            cache = SlotCache(pp.n_slots, pp.n_experts)
+            pools = _pools(self.layers[pp.layers[0]], pp.n_slots, device)
+            for li in pp.layers:
+                self.of_layer[li] = (cache, pools)
+            self._upload(pools, cache.seed(list(pp.residents)), non_blocking=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the pools."""
+        seen = {id(p): p for _, ps in self.of_layer.values() for p in ps}
+        return sum(p.tensor.numel() for p in seen.values())
+
+    def _upload(
+        self, pools: tuple[gpu.ExpertPool, ...], uploads: Sequence[Upload], non_blocking: bool
+    ) -> None:
+        """Copies each upload's expert into its slot, coalescing runs of consecutive experts
+        into consecutive slots (a whole layer at once when seeding)."""
+        i = 0
+        while i < len(uploads):
+            first, j = uploads[i], i + 1
+            while (
+                j < len(uploads)
+                and uploads[j].layer == first.layer
+                and uploads[j].expert == first.expert + (j - i)
+                and uploads[j].slot == first.slot + (j - i)
+            ):
+                j += 1
+            ex = self.layers[first.layer]
+            for kind, pool in enumerate(pools):
+                pool.load(first.slot, ex.host(kind, first.expert, j - i), non_blocking)
+            self.uploaded_bytes += ex.expert_nbytes * (j - i)
+            i = j
+
+
+class ResidentExperts(_PlannedPools):
+    """The ``gpu`` strategy: every expert of every layer resident (a plan that holds them
+    all), at slot = the layer's place in its pool x n_experts + expert."""
+
+    def __init__(
+        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
+    ) -> None:
+        if not plan.all_resident:
+            raise InvalidInputError("the gpu strategy needs a cache that holds every expert")
+        super().__init__(layers, plan, device)
+        self.base = {}
+        for pp in plan.pools:
+            for j, li in enumerate(pp.layers):
+                self.base[li] = j * pp.n_experts
+
+    def launch(
+        self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        _, pools = self.of_layer[ex.index]
+        base = self.base[ex.index]
+        slots = ids + base if base else ids
+        return gpu.moe_layer(*pools, x, slots, weights, act=ex.layer.act, check_ids=False)
+
+
+@dataclass
+class _Staging:
+    """One of the two whole-layer buffers of the prefill stream."""
+
+    memory: list[torch.Tensor]
+    ready: torch.cuda.Event
+    free: torch.cuda.Event
+    layer: int = -1
+    pools: tuple[gpu.ExpertPool, ...] = ()
+
+
+class OffloadExperts(_PlannedPools):
+    """The ``offload`` strategy: experts uploaded into LRU slot pools on demand (decode),
+    whole layers streamed double-buffered (prefill)."""
+
+    def __init__(
+        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
+    ) -> None:
+        super().__init__(layers, plan, device)
+        self.order = [ex.index for ex in layers]
+        self.position = {li: i for i, li in enumerate(self.order)}
+        self.pinned = pin_host_memory(layers)
+        self.copy_stream = torch.cuda.Stream(device)
+        sizes = [
+            max(
+                gpu.pool_nbytes(ex.kinds[k].qtype, ex.kinds[k].k, ex.kinds[k].rows, ex.n_experts)
+                for ex in layers
+            )
+            for k in range(3)
+        ]
+        self.staging = [
+            _Staging(
+                [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
+                torch.cuda.Event(),
+                torch.cuda.Event(),
+            )
+            for _ in range(2)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the pools and the staging buffers."""
+        return super().nbytes + sum(m.numel() for s in self.staging for m in s.memory)
+
+    def launch(
+        self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        if ids.shape[0] > MAX_SLOT_TOKENS:
+            return self._launch_streamed(ex, x, ids, weights)
+        cache, pools = self.of_layer[ex.index]
+        host_ids = ids.cpu().numpy()
+        out = torch.empty_like(x)
+        # Token ranges whose distinct experts fit the pool: a batch is never capped by it.
+        for lo, hi in cache.split_tokens(host_ids):
+            slots, uploads = cache.place(ex.index, host_ids[lo:hi])
+            self._upload(pools, uploads, non_blocking=self.pinned)
+            dev_slots = torch.from_numpy(slots).to(self.device)
+            gpu.moe_layer(
+                *pools,
+                x[lo:hi],
+                dev_slots,
+                weights[lo:hi],
+                act=ex.layer.act,
+                out=out[lo:hi],
+                check_ids=False,
+            )
+        return out
+
+    def _stage(self, ex: ExpertLayer) -> _Staging:
+        """Starts (or finds) the upload of ``ex``'s whole layer into its staging buffer."""
+        buf = self.staging[self.position[ex.index] % 2]
+        if buf.layer == ex.index:
+            return buf
+        self.copy_stream.wait_event(buf.free)
+        with torch.cuda.stream(self.copy_stream):
+            buf.pools = _pools(ex, ex.n_experts, self.device, buf.memory)
+            for kind, pool in enumerate(buf.pools):
+                pool.load(0, ex.host(kind, 0, ex.n_experts), non_blocking=self.pinned)
+            buf.ready.record(self.copy_stream)
+        buf.layer = ex.index
+        self.uploaded_bytes += ex.expert_nbytes * ex.n_experts
+        return buf
+
+    def _launch_streamed(
+        self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        buf = self._stage(ex)
+        nxt = self.position[ex.index] + 1
+        if nxt < len(self.order):
+            self._stage(self.layers[self.order[nxt]])  # overlaps this layer's compute
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(buf.ready)
+        out = gpu.moe_layer(*buf.pools, x, ids, weights, act=ex.layer.act, check_ids=False)
+        buf.free.record(stream)
+        return out
+
+
+class GpuMoeFFN:
+    """A MoE feed-forward whose routing runs in torch on the GPU and whose experts run on
+    ``experts`` (resident or offloaded pools); the shared expert, if any, in torch."""
+
+    def __init__(
+        self,
+        cpu: MoeFFN,
+        router: Callable[[torch.Tensor], torch.Tensor],
+        experts: ResidentExperts | OffloadExperts,
+        shared: Callable[[torch.Tensor], torch.Tensor] | None,
+        selection_bias: torch.Tensor | None,
+    ) -> None:
+        self.ex = ExpertLayer.of(cpu)
+        self.routing: Routing = cpu.routing
+        self.router = router
+        self.experts = experts
+        self.shared = shared
+        self.selection_bias = selection_bias
+        # Routes per expert, counted on the device (capturable) and flushed into the
+        # engine's counters when read (MoeContext.collect).
+        self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
+
+    def flush_counts(self, counters: _core.MoeCounters) -> None:
+        """Adds the routes counted since the last flush to ``counters``."""
+        counts = self.counts.tolist()
+        self.counts.zero_()
+        counters.add_expert_counts(self.ex.index, counts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        ids, weights = route(self.router(x), self.routing, self.selection_bias)
+        flat = ids.view(-1).long()
+        self.counts.index_add_(0, flat, torch.ones_like(flat))
+        out = self.experts.launch(self.ex, x, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+class CpuMoeFFN:
+    """A MoE feed-forward left on the CPU executor in a GPU model: activations go to the
+    host and back (no graph capture for such models)."""
+
+    def __init__(self, cpu: MoeFFN) -> None:
+        self.cpu = cpu
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cpu(x.cpu()).to(x.device)

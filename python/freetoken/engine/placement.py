@@ -1,0 +1,248 @@
+"""Moving a loaded model onto the GPU (``--moe-strategy gpu|offload``).
+
+Dense weights become :mod:`freetoken.engine.gpu_layers` layers, vectors move as they are, MoE
+feed-forwards become :class:`~freetoken.engine.gpu_moe.GpuMoeFFN` over resident or offloaded
+slot pools, and when no layer needs the host during a step, decode steps are replayed as CUDA
+graphs (:mod:`freetoken.engine.cuda_graph`). The model object is changed in place: the same
+``Transformer`` code then runs on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from freetoken.engine import gpu
+from freetoken.engine.cuda_graph import GraphDecoder
+from freetoken.engine.gpu_layers import (
+    GpuEmbedding,
+    GpuHeadwise,
+    GpuLinear,
+    GpuLinearGroup,
+)
+from freetoken.engine.gpu_moe import (
+    CpuMoeFFN,
+    ExpertLayer,
+    GpuMoeFFN,
+    OffloadExperts,
+    ResidentExperts,
+    gpu_servable,
+)
+from freetoken.engine.moe import MoeFFN
+from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
+from freetoken.engine.slots import plan_pools
+from freetoken.errors import InvalidInputError, UnsupportedError
+from freetoken.models.layers import HeadwiseLinear, Linear
+from freetoken.models.transformer import Transformer
+
+__all__ = ["Placement", "place_on_gpu"]
+
+#: Device memory kept free for activations, cuBLAS and ggml-cuda scratch.
+WORKSPACE_BYTES = 1 << 30
+_MIB = 1 << 20
+
+
+@dataclass
+class Placement:
+    """What :func:`place_on_gpu` did, for logs and benchmarks."""
+
+    strategy: str
+    dense: str
+    device: torch.device
+    dense_bytes: int = 0
+    expert_bytes: int = 0
+    cpu_layers: list[int] = field(default_factory=list)
+    graphs: bool = False
+    notes: list[str] = field(default_factory=list)
+    #: The expert pools (ResidentExperts or OffloadExperts), None when all are on the CPU.
+    experts: Any = None
+
+    def describe(self) -> str:
+        lines = [
+            f"placement: strategy {self.strategy}, dense weights {self.dense}, "
+            f"{self.dense_bytes / _MIB:.0f} MiB dense + {self.expert_bytes / _MIB:.0f} MiB "
+            f"experts on {self.device}, decode graphs {'on' if self.graphs else 'off'}"
+        ]
+        if self.cpu_layers:
+            lines.append(f"  MoE layers on the CPU executor: {self.cpu_layers}")
+        lines += [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _is_model_part(obj: object) -> bool:
+    return type(obj).__module__.startswith("freetoken.models") and hasattr(obj, "__dict__")
+
+
+class _Mover:
+    """Walks the model's objects, replacing what has a GPU form."""
+
+    def __init__(self, device: torch.device, dense: str, moe: Callable[[MoeFFN], Any]) -> None:
+        self.device, self.dense, self.moe = device, dense, moe
+        self.dense_bytes = 0
+
+    def __call__(self, val: Any) -> Any:
+        if isinstance(val, torch.Tensor):
+            self.dense_bytes += val.numel() * val.element_size()
+            return val.to(self.device)
+        if isinstance(val, Linear):
+            lin = GpuLinear(val, self.device, self.dense)
+            self.dense_bytes += lin.nbytes
+            return lin
+        if isinstance(val, HeadwiseLinear):
+            return GpuHeadwise(val, self.device)
+        if isinstance(val, MoeFFN):
+            return self.moe(val)
+        if isinstance(val, list):
+            return [self(v) for v in val]
+        if _is_model_part(val):
+            for name, v in vars(val).items():
+                setattr(val, name, self(v))
+            _fuse(val)
+        return val
+
+
+def _fuse(obj: object) -> None:
+    """Concatenates the bf16 weights of layers that share an input (Q/K/V, gate/up)."""
+    for names in (("wq", "wk", "wv"), ("gate", "up")):
+        members = [getattr(obj, n, None) for n in names]
+        if all(m is not None for m in members):
+            GpuLinearGroup.fuse(members)
+
+
+def _expert_layers(model: Transformer) -> list[ExpertLayer]:
+    return [ExpertLayer.of(blk.ffn) for blk in model.blocks if isinstance(blk.ffn, MoeFFN)]
+
+
+def place_on_gpu(
+    model: Transformer,
+    *,
+    strategy: str = "auto",
+    dense: str = "quant",
+    n_ctx: int = 4096,
+    cache_mib: int | None = None,
+    cache_scope: str = "per-type",
+    cache_profile: Any = None,
+    device: torch.device | str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Placement:
+    """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
+    :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
+    ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
+    ``n_ctx`` positions and a workspace), else offloads. Returns what it did."""
+    if strategy not in MOE_STRATEGIES:
+        raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
+    if dense not in DENSE_MODES:
+        raise InvalidInputError(f"dense weights `{dense}`: choose one of {DENSE_MODES}")
+    status = gpu.status()
+    if not (status.available and torch.cuda.is_available()):
+        raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")
+    dev = torch.device(device or "cuda")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    layers = _expert_layers(model)
+    servable = [ex for ex in layers if strategy != "cpu" and gpu_servable(ex)]
+    place = Placement(
+        strategy, dense, dev, cpu_layers=[ex.index for ex in layers if ex not in servable]
+    )
+
+    # Dense parts first: what they take decides what is left for the experts.
+    pending: dict[int, MoeFFN] = {}
+
+    def defer(ffn: MoeFFN) -> Any:
+        pending[id(ffn)] = ffn
+        return ffn
+
+    mover = _Mover(dev, dense, defer)
+    model.blocks = mover(model.blocks)
+    model.output_norm = mover(model.output_norm)
+    if model.rope_factors is not None:
+        model.rope_factors = mover(model.rope_factors)
+    model.output = mover(model.output)
+    emb = GpuEmbedding(model.embed, dev)
+    model.embed = emb  # type: ignore[assignment]
+    mover.dense_bytes += emb.table.numel() * emb.table.element_size()
+    place.dense_bytes = mover.dense_bytes
+
+    experts: ResidentExperts | OffloadExperts | None = None
+    if servable:
+        experts, place.strategy = _experts(
+            servable, strategy, n_ctx, cache_mib, cache_scope, cache_profile, model, dev, place
+        )
+        place.expert_bytes = experts.nbytes
+        place.experts = experts
+    for blk in model.blocks:
+        ffn = blk.ffn
+        if not isinstance(ffn, MoeFFN):
+            continue
+        if experts is not None and ffn.layer.index not in place.cpu_layers:
+            shared = mover(ffn.shared) if ffn.shared is not None else None
+            bias = mover(ffn.selection_bias) if ffn.selection_bias is not None else None
+            router = GpuLinear(ffn.router, dev, dense, keep_f32=True)  # type: ignore[arg-type]
+            gffn = blk.ffn = GpuMoeFFN(ffn, router, experts, shared, bias)
+            if model.moe is not None:
+                model.moe.collectors.append(
+                    functools.partial(gffn.flush_counts, model.moe.counters)
+                )
+        else:
+            blk.ffn = CpuMoeFFN(ffn)
+    model.device = dev
+    place.graphs = not place.cpu_layers and place.strategy == "gpu"
+    model.graphs = GraphDecoder(model) if place.graphs else None
+    log(place.describe())
+    return place
+
+
+def _experts(
+    layers: list[ExpertLayer],
+    strategy: str,
+    n_ctx: int,
+    cache_mib: int | None,
+    scope: str,
+    profile: Any,
+    model: Transformer,
+    dev: torch.device,
+    place: Placement,
+) -> tuple[ResidentExperts | OffloadExperts, str]:
+    total = sum(ex.expert_nbytes * ex.n_experts for ex in layers)
+    if cache_mib is None:
+        free, _ = torch.cuda.mem_get_info(dev)
+        kv = model.kv_bytes(n_ctx)
+        budget = max(0, free - kv - WORKSPACE_BYTES)
+        place.notes.append(
+            f"expert cache: {free / _MIB:.0f} MiB free - {kv / _MIB:.0f} MiB KV cache "
+            f"({n_ctx} positions) - {WORKSPACE_BYTES / _MIB:.0f} MiB workspace = "
+            f"{budget / _MIB:.0f} MiB (experts: {total / _MIB:.0f} MiB)"
+        )
+    else:
+        budget = cache_mib * _MIB
+        place.notes.append(
+            f"expert cache: --moe-cache-mib {cache_mib} (experts: {total / _MIB:.0f} MiB)"
+        )
+    plan = plan_pools(
+        [ex.spec() for ex in layers],
+        budget,
+        scope="type" if scope == "per-type" else scope,
+        profile=profile,
+        architecture=model.cfg.arch,
+        n_layers=model.cfg.n_layers,
+    )
+    if strategy == "auto":
+        strategy = "gpu" if plan.all_resident else "offload"
+    if strategy == "gpu" and not plan.all_resident:
+        raise InvalidInputError(
+            f"--moe-strategy gpu needs {plan.all_bytes / _MIB:.0f} MiB for the experts, "
+            f"{budget / _MIB:.0f} MiB available (use offload)"
+        )
+    if strategy == "gpu":
+        return ResidentExperts(layers, plan, dev), strategy
+    place.notes.append(plan.explanation)
+    experts = OffloadExperts(layers, plan, dev)
+    if not experts.pinned:
+        place.notes.append("expert memory could not be pinned: uploads are synchronous")
+    return experts, strategy

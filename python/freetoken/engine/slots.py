@@ -1,0 +1,406 @@
+"""The GPU expert slot cache's bookkeeping and sizing (the Rust core does the work).
+
+A *slot pool* holds expert matrices on the GPU, ``n_slots`` of them per (gate, up, down)
+tensor; :class:`SlotCache` tracks which (layer, expert) sits in which slot, evicts the least
+recently used, and tells the caller what to upload. :func:`plan_pools` decides the pools
+from a byte budget (``--moe-cache-mib``), a scope (``--moe-cache-scope``) and optionally an
+expert-use profile (``--moe-cache-profile``, docs/expert-profile.md)::
+
+    plan = plan_pools(specs, 8 << 30, profile="profile.json")
+    print(plan.explanation)
+    for pool in plan.pools:
+        cache = SlotCache(pool.n_slots, pool.n_experts)
+        uploads = cache.seed(pool.residents)      # copy these experts in, then decode:
+    slots, uploads = cache.place(layer, ids)      # ids: int32 (tokens, top_k)
+
+Route ids and slots are int32 numpy arrays of shape ``(tokens, top_k)``, C-contiguous (a 1-D
+array is one token). Within one ``place`` call no slot is given to two experts, so a token
+never names one slot twice (the guard ggml-cuda's MMQ needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from freetoken import _core
+from freetoken.errors import (
+    FileAccessError,
+    InvalidInputError,
+    ShapeError,
+    UnsupportedError,
+)
+from freetoken.profile import FORMAT as PROFILE_FORMAT
+from freetoken.profile import VERSION as PROFILE_VERSION
+from freetoken.quant import QType, type_info
+
+__all__ = [
+    "CachePlan",
+    "LayerSpec",
+    "PoolPlan",
+    "SlotCache",
+    "SlotStats",
+    "Upload",
+    "load_profile",
+    "plan_pools",
+]
+
+SCOPES = ("type", "per-layer")
+
+
+class Upload(NamedTuple):
+    """An expert to copy into ``slot`` before the GPU reads it; ``evicted`` is the
+    (layer, expert) the slot held before, if any."""
+
+    layer: int
+    expert: int
+    slot: int
+    evicted: tuple[int, int] | None
+
+
+class SlotStats(NamedTuple):
+    """One layer's counters. ``hits`` and ``misses`` count distinct experts per call (an
+    expert shared by several tokens is read once); ``uploads`` experts copied in (misses of
+    ``place``, ``insert``, ``seed``); ``evictions`` this layer's experts pushed out."""
+
+    calls: int
+    hits: int
+    misses: int
+    uploads: int
+    evictions: int
+
+
+def _ids(ids: Any) -> np.ndarray:
+    a = np.asarray(ids)
+    if a.dtype != np.int32:
+        raise InvalidInputError(f"expert ids must be int32, got {a.dtype}")
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+    if a.ndim != 2:
+        raise ShapeError(f"expert ids must be (tokens, top_k), got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise InvalidInputError("expert ids must be C-contiguous")
+    return a
+
+
+def _out(out: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    if out is None:
+        return np.empty(ids.shape, dtype=np.int32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32:
+        raise InvalidInputError("the slots output must be an int32 numpy array")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise InvalidInputError("the slots output must be C-contiguous and writable")
+    if out.size != ids.size:
+        raise ShapeError(f"the slots output has {out.size} entries for {ids.size} ids")
+    return out
+
+
+def _index(value: int, what: str) -> int:
+    if int(value) < 0:
+        raise InvalidInputError(f"{what} must be non-negative, got {value}")
+    return int(value)
+
+
+class SlotCache:
+    """LRU bookkeeping of one slot pool of ``n_slots`` slots, shared by any number of layers
+    of ``n_experts`` experts each. Within a call, hits are touched first, then each miss takes
+    the lowest free slot, else the least recently used slot the call does not name."""
+
+    def __init__(self, n_slots: int, n_experts: int) -> None:
+        self._c = _core.SlotCache(_index(n_slots, "n_slots"), _index(n_experts, "n_experts"))
+
+    @property
+    def n_slots(self) -> int:
+        """Slots in the pool."""
+        return self._c.n_slots
+
+    @property
+    def n_experts(self) -> int:
+        """Experts per layer."""
+        return self._c.n_experts
+
+    def place(
+        self, layer: int, ids: Any, out: np.ndarray | None = None
+    ) -> tuple[np.ndarray, list[Upload]]:
+        """``offload``: gives every expert of one call's routes a slot. ``ids`` is int32
+        ``(tokens, top_k)``; a 1-D array is one token, not flattened routes. Returns each route's
+        slot (into ``out`` if given) and the uploads to perform first. Raises, changing
+        nothing, on an id out of range, a token naming an expert twice, or more distinct
+        experts than slots (ShapeError: split the batch with :meth:`split_tokens`)."""
+        a = _ids(ids)
+        o = _out(out, a)
+        ups = self._c.place(
+            _index(layer, "layer"), a.ctypes.data, a.size, a.shape[1], o.ctypes.data, o.size
+        )
+        return o, [Upload(*u) for u in ups]
+
+    def lookup(self, layer: int, ids: Any, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """``hybrid``: the slots of the resident experts (touched as recently used), -1 for
+        the others, nothing inserted. Returns the slots and how many routes hit."""
+        a = _ids(ids)
+        o = _out(out, a)
+        hits = self._c.lookup(
+            _index(layer, "layer"), a.ctypes.data, a.size, a.shape[1], o.ctypes.data, o.size
+        )
+        return o, hits
+
+    def insert(self, layer: int, expert: int) -> Upload | None:
+        """Makes one expert resident (adaptive fill): None if it already is (then touched),
+        else the upload, which may evict the least recently used slot: do not insert while a
+        computation still reads that slot."""
+        u = self._c.insert(_index(layer, "layer"), _index(expert, "expert"))
+        return None if u is None else Upload(*u)
+
+    def seed(self, residents: Sequence[tuple[int, int]]) -> list[Upload]:
+        """Fills an empty pool: ``residents[i]`` (layer, expert) goes to slot ``i``, listed
+        hottest first (``residents[0]`` is the most recently used), as
+        :attr:`PoolPlan.residents` lists them. Returns the uploads."""
+        pairs = [(_index(la, "layer"), _index(e, "expert")) for la, e in residents]
+        return [Upload(*u) for u in self._c.seed(pairs)]
+
+    def split_tokens(self, ids: Any) -> list[tuple[int, int]]:
+        """Token ranges ``[start, stop)`` that each name at most ``n_slots`` distinct
+        experts, as long as possible: how to split a batch :meth:`place` refuses."""
+        a = _ids(ids)
+        return self._c.split_tokens(a.ctypes.data, a.size, a.shape[1])
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        """The slot holding the expert, or None (does not count as a use)."""
+        return self._c.slot_of(_index(layer, "layer"), _index(expert, "expert"))
+
+    def residents(self) -> list[tuple[int, int] | None]:
+        """Per slot, the (layer, expert) it holds."""
+        return self._c.residents()
+
+    def recency(self) -> list[int]:
+        """The occupied slots, least recently used first."""
+        return self._c.recency()
+
+    def stats(self, layer: int | None = None) -> SlotStats | dict[int, SlotStats]:
+        """One layer's counters, or every layer's (by layer) when ``layer`` is None."""
+        if layer is None:
+            return {la: SlotStats(*s) for la, s in self._c.all_stats()}
+        return SlotStats(*self._c.stats(_index(layer, "layer")))
+
+    def reset_stats(self) -> None:
+        """Zeroes every layer's counters."""
+        self._c.reset_stats()
+
+    def clear(self) -> None:
+        """Empties the pool; the counters stay."""
+        self._c.clear()
+
+
+class LayerSpec(NamedTuple):
+    """One MoE layer for :func:`plan_pools`: ggml type ids of its (gate, up, down) expert
+    matrices, the bytes of one expert (all three), the blocks of each matrix of one expert."""
+
+    layer: int
+    types: tuple[int, int, int]
+    expert_bytes: int
+    blocks: tuple[int, int, int]
+    n_experts: int
+    top_k: int
+
+    @classmethod
+    def from_shapes(
+        cls,
+        layer: int,
+        types: Sequence[QType],
+        shapes: Sequence[tuple[int, int]],
+        n_experts: int,
+        top_k: int,
+    ) -> LayerSpec:
+        """From the (gate, up, down) types and the ``(rows, K)`` shape of one expert's
+        matrices."""
+        if len(types) != 3 or len(shapes) != 3:
+            raise ShapeError("a layer spec needs the gate, up and down types and shapes")
+        infos = [type_info(t) for t in types]
+        nbytes = sum(i.row_size(k) * n for i, (n, k) in zip(infos, shapes, strict=True))
+        g, u, d = (n * k // i.block_size for i, (n, k) in zip(infos, shapes, strict=True))
+        ids = (infos[0].id, infos[1].id, infos[2].id)
+        return cls(layer, ids, nbytes, (g, u, d), n_experts, top_k)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One slot pool: its key (``types``), the layers it serves, its size, and the experts to
+    seed it with (slot ``i`` holds ``residents[i]``; hottest first from a profile, every
+    expert in layer-then-expert order when all are resident, else none). ``bytes`` is its
+    share of the budget (slots and zeroed tensor tails); ``coverage`` the share of its
+    layers' profiled routes the residents cover."""
+
+    types: tuple[int, int, int]
+    layers: tuple[int, ...]
+    n_experts: int
+    top_k: int
+    expert_bytes: int
+    blocks: tuple[int, int, int]
+    n_slots: int
+    bytes: int
+    residents: tuple[tuple[int, int], ...]
+    coverage: float | None
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The pools, the bytes they use out of the budget, the minimum budget (``top_k`` slots
+    per pool) and the bytes of every expert; ``all_resident`` means the budget holds every
+    expert (the ``gpu`` strategy); ``explanation`` is the arithmetic in words."""
+
+    pools: tuple[PoolPlan, ...]
+    budget_bytes: int
+    used_bytes: int
+    min_bytes: int
+    all_bytes: int
+    all_resident: bool
+    explanation: str
+
+    def pool_of(self, layer: int) -> int:
+        """The index of the pool serving ``layer``."""
+        for i, p in enumerate(self.pools):
+            if layer in p.layers:
+                return i
+        raise InvalidInputError(f"layer {layer} is not served by any pool")
+
+
+def _read_profile(profile: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Any, str]:
+    if isinstance(profile, Mapping):
+        return profile, "the profile"
+    path = Path(profile)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise FileAccessError(f"cannot read the profile {path}: {e.strerror}") from None
+    try:
+        return json.loads(text), str(path)
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(f"{path} is not JSON: {e}") from None
+
+
+def _count_list(value: Any, n: int, where: str) -> list[int]:
+    ok = isinstance(value, list) and all(
+        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value
+    )
+    if not ok:
+        raise InvalidInputError(f"{where}: counts must be a list of non-negative integers")
+    if len(value) != n:
+        raise InvalidInputError(f"{where}: {len(value)} counts for {n} experts")
+    return value
+
+
+def load_profile(
+    profile: Mapping[str, Any] | str | os.PathLike[str],
+    layers: Sequence[LayerSpec],
+    *,
+    architecture: str | None = None,
+    n_layers: int | None = None,
+) -> dict[int, list[int]]:
+    """Reads and checks an expert-use profile (docs/expert-profile.md: the parsed JSON or a
+    path) against the model: its format and version, and its model's ``n_experts`` and
+    ``top_k`` (from ``layers``), ``architecture`` and ``n_layers`` when given; every profiled
+    layer must be one of ``layers``. Returns the counts by layer."""
+    doc, src = _read_profile(profile)
+    if not isinstance(doc, Mapping) or doc.get("format") != PROFILE_FORMAT:
+        got = doc.get("format") if isinstance(doc, Mapping) else type(doc).__name__
+        raise InvalidInputError(f"{src} is not an expert-use profile ({PROFILE_FORMAT!r}): {got!r}")
+    if doc.get("version") != PROFILE_VERSION:
+        raise UnsupportedError(
+            f"{src} has profile version {doc.get('version')!r}; this build reads version "
+            f"{PROFILE_VERSION}"
+        )
+    model = doc.get("model")
+    if not isinstance(model, Mapping):
+        raise InvalidInputError(f"{src} has no model description")
+    by_layer = {s.layer: s for s in layers}
+    want: dict[str, Any] = {"architecture": architecture, "n_layers": n_layers}
+    if layers:
+        want |= {"n_experts": layers[0].n_experts, "top_k": layers[0].top_k}
+    for key, value in want.items():
+        if value is not None and model.get(key) != value:
+            raise InvalidInputError(
+                f"{src} was made on another model: its {key} is {model.get(key)!r}, this "
+                f"model's is {value!r}"
+            )
+    entries = doc.get("layers")
+    if not isinstance(entries, list):
+        raise InvalidInputError(f"{src}: `layers` must be a list")
+    counts: dict[int, list[int]] = {}
+    for entry in entries:
+        layer = entry.get("layer") if isinstance(entry, Mapping) else None
+        if not isinstance(layer, int) or layer not in by_layer:
+            raise InvalidInputError(f"{src}: layer {layer!r} is not a MoE layer of this model")
+        if layer in counts:
+            raise InvalidInputError(f"{src}: layer {layer} is listed twice")
+        where = f"{src}, layer {layer}"
+        c = _count_list(entry.get("counts"), by_layer[layer].n_experts, where)
+        if "routes" in entry and entry["routes"] != sum(c):
+            raise InvalidInputError(f"{where}: routes {entry['routes']} != sum of counts")
+        counts[layer] = c
+    return counts
+
+
+def plan_pools(
+    layers: Sequence[LayerSpec],
+    budget_bytes: int,
+    *,
+    scope: str = "type",
+    profile: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    architecture: str | None = None,
+    n_layers: int | None = None,
+) -> CachePlan:
+    """Plans the slot pools of the MoE ``layers`` within ``budget_bytes``.
+
+    ``scope`` is ``"type"`` (layers with the same expert types and shapes share a pool) or
+    ``"per-layer"``. Without a profile every layer gets the same share of its experts; with
+    one (see :func:`load_profile`; ``architecture`` and ``n_layers`` are checked against it)
+    the experts with the most routes over all layers are taken first and seed the pools.
+    Every pool gets at least ``top_k`` slots (InvalidInputError naming the minimum MiB
+    otherwise); a pool over 2^31 blocks per tensor is split into pools of whole layers. The
+    rule in full: ``crates/ft-core/src/cache_plan.rs``.
+    """
+    if scope not in SCOPES:
+        raise InvalidInputError(f"cache scope {scope!r} is not one of {SCOPES}")
+    specs = [LayerSpec(*s) for s in layers]
+    counts = None
+    if profile is not None:
+        by_layer = load_profile(profile, specs, architecture=architecture, n_layers=n_layers)
+        counts = [[] for _ in range(max(by_layer, default=-1) + 1)]
+        for layer, c in by_layer.items():
+            counts[layer] = c
+    rows = [
+        (_index(layer, "layer"), tuple(types), nbytes, tuple(blocks), n_experts, top_k)
+        for layer, types, nbytes, blocks, n_experts, top_k in specs
+    ]
+    pools, used, min_b, all_b, all_res, text = _core.plan_pools(
+        rows, _index(budget_bytes, "budget_bytes"), scope, counts
+    )
+    return CachePlan(
+        pools=tuple(
+            PoolPlan(
+                types=tuple(p[0]),
+                layers=tuple(p[1]),
+                n_experts=p[2],
+                top_k=p[3],
+                expert_bytes=p[4],
+                blocks=tuple(p[5]),
+                n_slots=p[6],
+                bytes=p[7],
+                residents=tuple(p[8]),
+                coverage=p[9],
+            )
+            for p in pools
+        ),
+        budget_bytes=int(budget_bytes),
+        used_bytes=used,
+        min_bytes=min_b,
+        all_bytes=all_b,
+        all_resident=all_res,
+        explanation=text,
+    )

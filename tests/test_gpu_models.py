@@ -1,0 +1,169 @@
+"""Whole MoE models on the GPU (``--moe-strategy gpu`` and ``offload``) against the same
+models CPU-only, teacher-forced: on the CPU run's greedy continuation, the GPU's argmax equals
+the CPU's except at the CPU's near-ties, and the mean KL(CPU || GPU) is at most 0.005.
+
+Each model is checked twice per strategy: the whole sequence as one prompt (prefill: MMQ on
+resident pools, or whole expert layers streamed double-buffered for ``offload``) and one
+token at a time (decode: replayed CUDA graphs for ``gpu``; LRU slot placement and uploads
+for ``offload``, with a cache smaller than one layer's experts). The families cover shared
+experts (qwen2moe), the per-expert layout (Mixtral), different types across layers and for
+gate, up and down (mixed), sigmoid and grouped routing with MLA attention (deepseek2,
+glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor (gpt-oss's
+clamped SwiGLU with biases, TQ2_0). Dense weights run both ways (``quant``: ggml-cuda
+MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from freetoken.engine import gpu  # noqa: E402
+from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.engine.sampler import SamplingParams  # noqa: E402
+from freetoken.errors import FileAccessError  # noqa: E402
+from freetoken.llm import LLM  # noqa: E402
+from freetoken.testmodel import make_test_model  # noqa: E402
+from freetoken.testmodel.vocab import llama_tree  # noqa: E402
+from teacher_forced import compare  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
+    ),
+]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n"]
+N_GEN = 24
+MAX_KL = 0.005
+
+_BASE = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, seed=11)
+MODELS = {
+    "qwen3moe": dict(arch="qwen3moe", head_dim=64, experts=16, top_k=4, expert_ffn=256,
+                     quant="q8_0,exps=q4_k,ffn_down_exps=q6_k"),
+    "qwen2moe": dict(arch="qwen2moe", experts=16, top_k=4, expert_ffn=128, shared_experts=2,
+                     quant="q5_k,exps=q4_0,shexp=q8_0"),
+    "mixtral-per-expert": dict(arch="llama", experts=8, top_k=2, expert_ffn=256,
+                               expert_layout="per-expert", quant="q4_k,exps=iq4_xs"),
+    "mixed": dict(arch="qwen2moe", layers=3, experts=8, top_k=2, expert_ffn=256,
+                  shared_experts=1,
+                  quant="q8_0,blk.0.ffn_gate_exps=q4_k,blk.0.ffn_up_exps=q5_0,"
+                        "blk.0.ffn_down_exps=q6_k,blk.1.exps=q4_1,blk.2.exps=mxfp4,"
+                        "blk.2.ffn_down_exps=q8_0"),
+    # TQ2_0 has no GPU kernel: these experts stay on the CPU executor.
+    "no-kernel": dict(arch="qwen3moe", head_dim=64, experts=8, top_k=2, expert_ffn=256,
+                      quant="q8_0,exps=tq2_0"),
+}  # fmt: skip
+#: Families whose models test_moe_families_b.py builds (MLA, sigmoid routing, gpt-oss).
+FAMILY_B = ["glm4moe", "deepseek2", "gpt-oss"]
+
+STRATEGIES = [("gpu", "quant"), ("offload", "quant")]
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    try:
+        vocab = llama_tree() / "models" / "ggml-vocab-llama-spm.gguf"
+    except FileAccessError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("gpu-moe")
+    files = {}
+    for name, args in MODELS.items():
+        args = {**_BASE, **args}
+        arch = args.pop("arch")
+        files[name] = make_test_model(
+            arch, vocab=vocab, out=out / f"{name}.gguf", log=lambda _: None, **args
+        )
+    from test_moe_families_b import build
+
+    for name in FAMILY_B:
+        files[name] = build(name, out)
+    return files
+
+
+def _cpu_runs(path: Path) -> tuple[list[list[int]], list[np.ndarray]]:
+    """The CPU engine's greedy continuations and its logits over them."""
+    llm = LLM(path, n_ctx=256, engine=EngineOptions(device="cpu"))
+    seqs, logits = [], []
+    for prompt in PROMPTS:
+        tokens = llm.tokenize(prompt)
+        gen = list(llm.stream_tokens(tokens, N_GEN, SamplingParams(temperature=0.0)))
+        seq = tokens + gen
+        seqs.append(seq)
+        logits.append(llm.logits(seq)[len(tokens) - 1 : len(seq) - 1].numpy())
+    return seqs, logits
+
+
+def _check(name: str, how: str, ref: np.ndarray, ours: np.ndarray) -> None:
+    assert np.isfinite(ours).all(), f"{name} {how}: non-finite logits"
+    c = compare(ref, ours)
+    assert not c.mismatches, f"{name} {how}: {c.describe()}"
+    assert c.mean_kl <= MAX_KL, f"{name} {how}: {c.describe()}"
+
+
+def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
+    """Logits of positions ``first..`` fed one token at a time (decode steps)."""
+    cache = llm.model.new_cache(len(seq))
+    out = [llm.model.forward(seq[: first + 1], cache).numpy()]
+    for tok in seq[first + 1 : len(seq) - 1]:
+        out.append(llm.model.forward([tok], cache).numpy())
+    return np.stack(out)
+
+
+def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
+    # 1 MiB of slots: fewer than one layer's experts on these models (the offload case).
+    mib = 1 if strategy == "offload" else None
+    opts = EngineOptions(
+        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib
+    )
+    return LLM(path, n_ctx=256, engine=opts)
+
+
+@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
+@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B)
+def test_gpu_matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+) -> None:
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, dense)
+    assert llm.placement is not None and llm.placement.strategy == strategy
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
+        _check(name, f"{strategy} prefill {prompt!r}", ref, prefill)
+        _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
+
+
+def test_bf16_dense_weights(model_files: dict[str, Path]) -> None:
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, "gpu", "bf16")
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        _check("qwen3moe", "bf16 decode", ref, _decode_logits(llm, seq, first))
+
+
+def test_offload_cache_smaller_than_a_layer(model_files: dict[str, Path]) -> None:
+    """The offload pools hold fewer slots than one layer has experts, and decode uploads."""
+    llm = _gpu_llm(model_files["qwen3moe"], "offload", "quant")
+    experts = llm.placement.experts  # type: ignore[union-attr]
+    for cache, _ in experts.of_layer.values():
+        assert cache.n_slots < 16
+    before = experts.uploaded_bytes
+    llm.generate("Hello there", max_tokens=8, temperature=0.0)
+    assert experts.uploaded_bytes > before
+
+
+def test_gpu_routes_counted(model_files: dict[str, Path]) -> None:
+    """Routes computed on the GPU reach the engine's per-expert counters (profiles)."""
+    llm = _gpu_llm(model_files["qwen3moe"], "gpu", "quant")
+    tokens = llm.tokenize(PROMPTS[0])
+    llm.logits(tokens)
+    counts = llm.model.moe.collect().expert_counts()  # type: ignore[union-attr]
+    assert [sum(c) for c in counts] == [len(tokens) * 4] * 2
