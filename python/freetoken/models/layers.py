@@ -144,8 +144,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _inv_freq(base: float, n_rot: int) -> torch.Tensor:
-    return base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+def _inv_freq(base: float, n_rot: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: a captured CUDA graph may not copy from the host.
+    return (base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)).to(device)
 
 
 #: llama.cpp's `rope.scaling.type` default when the key is missing.
@@ -245,7 +246,7 @@ def rope_cos_sin(
     """The rotation of each position, ``cos``/``sin`` of shape ``[T, 1, n_rot / 2]`` on
     ``pos``'s device; ``scale`` is the frequency scale; ``yarn`` adds YaRN's ramp and
     magnitude scaling (see :class:`RopeScaling`)."""
-    inv = _inv_freq(base, n_rot).to(pos.device)
+    inv = _inv_freq(base, n_rot, pos.device)
     if freq_factors is not None:
         inv = inv / freq_factors.to(device=pos.device, dtype=torch.float64)
     theta = pos.to(torch.float64)[:, None] * inv[None, :] * scale
