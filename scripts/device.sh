@@ -163,6 +163,13 @@ bench_e2e() {
         tee "$OUT/bench_e2e.log"
 }
 
+# Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
+profile_step() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    bench_model
+    python3 benches/profile_gpu_step.py -m "$BENCH_MODEL" -p 512 2>&1 | tee "$OUT/profile.log"
+}
+
 [ $# -gt 0 ] || {
     sed -n '2,17p' "$0"
     exit 2
@@ -175,8 +182,9 @@ for phase in "$@"; do
     bench) bench ;;
     bench-model) bench_model ;;
     bench-e2e) bench_e2e ;;
+    profile) profile_step ;;
     *)
-        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e)"
+        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e, profile)"
         exit 2
         ;;
     esac

@@ -35,6 +35,70 @@ def _dequantized(lin: Linear, dtype: torch.dtype, device: torch.device) -> torch
     return torch.from_numpy(lin.weight.dequantize()).to(device=device, dtype=dtype)
 
 
+class _Weight:
+    """One matrix ``(n, k)`` on the device: a one-slot pool in its GGUF type (MMVQ/MMQ) or a
+    bf16 / float32 tensor (cuBLAS)."""
+
+    def __init__(
+        self, n: int, k: int, pool: gpu.ExpertPool | None, dense: torch.Tensor | None
+    ) -> None:
+        self.n, self.k, self.pool, self.dense = n, k, pool, dense
+        if pool is not None:
+            self._ids = torch.zeros((1, 1), dtype=torch.int32, device=pool.device)
+
+    @classmethod
+    def quantized(
+        cls, qtype: int, n: int, k: int, raw: torch.Tensor, device: torch.device
+    ) -> _Weight:
+        pool = gpu.ExpertPool(qtype, k, n, 1, device=device)
+        pool.load(0, raw)
+        return cls(n, k, pool, None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device if self.pool is not None else self.dense.device  # type: ignore[union-attr]
+
+    @property
+    def nbytes(self) -> int:
+        if self.pool is not None:
+            return self.pool.tensor.numel()
+        assert self.dense is not None
+        return self.dense.numel() * self.dense.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, k] @ W.T``, float32 ``[T, n]``."""
+        if self.pool is None:
+            assert self.dense is not None
+            if self.dense.dtype == torch.float32:
+                return x @ self.dense.t()
+            # bf16 inputs, float32 accumulation and output (logits keep their precision).
+            return torch.mm(x.to(self.dense.dtype), self.dense.t(), out_dtype=torch.float32)
+        t = x.shape[0]
+        if self._ids.shape[0] < t:
+            self._ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
+        y = gpu.expert_matmul(self.pool, x.contiguous(), self._ids[:t], check_ids=False)
+        return y.view(t, self.n)
+
+    @staticmethod
+    def concat(weights: Sequence[_Weight]) -> _Weight | None:
+        """The rows of ``weights`` stacked into one matrix, when they share the input size and
+        the type (quantized rows are whole blocks, so their bytes concatenate); else None."""
+        first = weights[0]
+        n = sum(w.n for w in weights)
+        if any(w.k != first.k for w in weights):
+            return None
+        if all(w.dense is not None for w in weights):
+            dtypes = {w.dense.dtype for w in weights}  # type: ignore[union-attr]
+            if len(dtypes) == 1:
+                return _Weight(n, first.k, None, torch.cat([w.dense for w in weights]))  # type: ignore[misc]
+            return None
+        pools = [w.pool for w in weights]
+        if all(p is not None for p in pools) and len({p.qtype for p in pools}) == 1:  # type: ignore[union-attr]
+            raw = torch.cat([p.tensor[: p.matrix_nbytes] for p in pools])  # type: ignore[union-attr]
+            return _Weight.quantized(pools[0].qtype, n, first.k, raw, raw.device)  # type: ignore[union-attr]
+        return None
+
+
 class GpuLinear:
     """``y = x @ W.T (+ b)`` on the GPU for float32 ``x [..., K]``; float32 out."""
 
@@ -48,85 +112,69 @@ class GpuLinear:
         self.bias = None if lin.bias is None else lin.bias.to(device)
         #: The fused group this layer belongs to (see :class:`GpuLinearGroup`).
         self.group: GpuLinearGroup | None = None
-        self.pool: gpu.ExpertPool | None = None
-        self.weight: torch.Tensor | None = None
         qtype = lin.weight.qtype
+        self.w: _Weight | None
         if keep_f32 or qtype == _F32:
-            self.weight = _dequantized(lin, torch.float32, device)
+            self.w = _Weight(self.n, self.k, None, _dequantized(lin, torch.float32, device))
         elif mode == "quant" and all(gpu.kernel_for(qtype, t) for t in (1, 9)):
-            self.pool = gpu.ExpertPool(qtype, self.k, self.n, 1, device=device)
-            self.pool.load(0, torch.from_numpy(np.ascontiguousarray(lin.weight.raw).copy()))
-            self._ids = torch.zeros((1, 1), dtype=torch.int32, device=device)
+            raw = torch.from_numpy(np.ascontiguousarray(lin.weight.raw).copy())
+            self.w = _Weight.quantized(qtype, self.n, self.k, raw, device)
         else:
-            self.weight = _dequantized(lin, torch.bfloat16, device)
+            self.w = _Weight(self.n, self.k, None, _dequantized(lin, torch.bfloat16, device))
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the weight."""
-        if self.pool is not None:
-            return self.pool.tensor.numel()
-        assert self.weight is not None
-        return self.weight.numel() * self.weight.element_size()
+        """Device bytes of the weight (its group's, once fused)."""
+        return self.w.nbytes if self.w is not None else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            return self.group(x)[self.group.members.index(self)]
+        assert self.w is not None
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.k)
-        if self.pool is not None:
-            t = x2.shape[0]
-            if self._ids.shape[0] < t:
-                self._ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
-            y = gpu.expert_matmul(self.pool, x2.contiguous(), self._ids[:t], check_ids=False)
-            y = y.view(t, self.n)
-        else:
-            y = _mm(x2, self.weight)
+        y = self.w.matmul(x.reshape(-1, self.k))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.n)
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    assert w is not None
-    if w.dtype == torch.float32:
-        return x @ w.t()
-    # bf16 inputs, float32 accumulation and output (logits keep their precision).
-    return torch.mm(x.to(w.dtype), w.t(), out_dtype=torch.float32)
-
-
 class GpuLinearGroup:
-    """Layers applied to the same input (Q/K/V, gate/up) whose bf16 weights are concatenated
-    into one matrix: one product instead of several."""
+    """Layers applied to the same input (Q/K/V, gate/up) whose weights are stacked into one
+    matrix: one product (and one quantization of the input) instead of several."""
 
-    def __init__(self, members: Sequence[GpuLinear]) -> None:
+    def __init__(self, members: Sequence[GpuLinear], w: _Weight) -> None:
         self.members = tuple(members)
-        weights = [m.weight for m in self.members]
-        self.weight = torch.cat(weights)  # type: ignore[arg-type]
+        self.w = w
         self.sizes = [m.n for m in self.members]
-        biases = [m.bias for m in self.members]
         self.bias = None
-        if any(b is not None for b in biases):
+        if any(m.bias is not None for m in self.members):
             self.bias = torch.cat(
-                [b if b is not None else self.weight.new_zeros(m.n, dtype=torch.float32)
-                 for b, m in zip(biases, self.members, strict=True)]
+                [m.bias if m.bias is not None else torch.zeros(m.n, device=w.device)
+                 for m in self.members]
             )  # fmt: skip
         for m in self.members:
-            m.weight, m.group = None, self
+            m.w, m.group = None, self
 
     @staticmethod
     def fuse(members: Sequence[object]) -> None:
-        """Fuses ``members`` when they are all bf16 :class:`GpuLinear` of one input size."""
+        """Fuses ``members`` when they are :class:`GpuLinear` whose weights stack (same input
+        size and type)."""
         if len(members) < 2 or not all(
-            isinstance(m, GpuLinear)
-            and m.weight is not None
-            and m.weight.dtype == torch.bfloat16
-            and m.k == members[0].k  # type: ignore[attr-defined]
-            for m in members
+            isinstance(m, GpuLinear) and m.w is not None for m in members
         ):
             return
-        GpuLinearGroup(members)  # type: ignore[arg-type]
+        layers: list[GpuLinear] = list(members)  # type: ignore[arg-type]
+        w = _Weight.concat([m.w for m in layers])  # type: ignore[misc]
+        if w is not None:
+            GpuLinearGroup(layers, w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         lead = x.shape[:-1]
-        y = _mm(x.reshape(-1, self.members[0].k), self.weight)
+        y = self.w.matmul(x.reshape(-1, self.members[0].k))
         if self.bias is not None:
             y = y + self.bias
         return [

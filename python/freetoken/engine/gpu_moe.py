@@ -19,8 +19,10 @@ without MMVQ/MMQ) stay on the CPU expert executor.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,11 +124,15 @@ def gpu_servable(ex: ExpertLayer, n_tokens: int = 1) -> bool:
     return all(gpu.kernel_for(m.qtype, n_tokens) for m in ex.kinds)
 
 
-def pin_host_memory(layers: Sequence[ExpertLayer]) -> bool:
+def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
     """Page-locks the mapped expert bytes (cudaHostRegister, read-only) so uploads run
-    asynchronously at full PCIe speed; False (uploads still work, synchronously) if the host
-    refuses, e.g. over RLIMIT_MEMLOCK."""
+    asynchronously at full PCIe speed, for as long as ``owner`` lives: the registration is
+    undone when it is collected, while the mapping is still held (a stale registration
+    would make later copies from a new mapping at the same addresses fail). False (uploads
+    still work, synchronously) if the host refuses, e.g. over RLIMIT_MEMLOCK."""
     cudart = torch.cuda.cudart()
+    registered: list[int] = []
+    ok = True
     for ex in layers:
         for m in ex.kinds:
             start = m.ranges[0][0]
@@ -134,9 +140,20 @@ def pin_host_memory(layers: Sequence[ExpertLayer]) -> bool:
             if end - start != m.nbytes * len(m.ranges):
                 continue  # per-expert tensors: left pageable
             if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
-                torch.cuda.synchronize()
-                return False
-    return True
+                ok = False
+                break
+            registered.append(start)
+        if not ok:
+            break
+    keep = [ex.layer for ex in layers]  # the mapping outlives the registration
+    weakref.finalize(owner, _unregister, registered, keep)
+    return ok
+
+
+def _unregister(addresses: list[int], _mapping_owners: list[Any]) -> None:
+    cudart = torch.cuda.cudart()
+    for addr in addresses:
+        cudart.cudaHostUnregister(addr)
 
 
 def _pools(
@@ -241,7 +258,7 @@ class OffloadExperts(_PlannedPools):
         super().__init__(layers, plan, device)
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
-        self.pinned = pin_host_memory(layers)
+        self.pinned = pin_host_memory(layers, self)
         self.copy_stream = torch.cuda.Stream(device)
         sizes = [
             max(
@@ -338,6 +355,7 @@ class GpuMoeFFN:
         # Routes per expert, counted on the device (capturable) and flushed into the
         # engine's counters when read (MoeContext.collect).
         self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
+        self._ones = torch.ones(0, dtype=torch.int64, device=experts.device)
 
     def flush_counts(self, counters: _core.MoeCounters) -> None:
         """Adds the routes counted since the last flush to ``counters``."""
@@ -348,8 +366,10 @@ class GpuMoeFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         ids, weights = route(self.router(x), self.routing, self.selection_bias)
-        flat = ids.view(-1).long()
-        self.counts.index_add_(0, flat, torch.ones_like(flat))
+        flat = ids.view(-1)
+        if self._ones.numel() < flat.numel():
+            self._ones = torch.ones(flat.numel(), dtype=torch.int64, device=flat.device)
+        self.counts.index_add_(0, flat, self._ones[: flat.numel()])
         out = self.experts.launch(self.ex, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -305,31 +305,28 @@ def attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    masks: dict[tuple[Any, ...], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Causal grouped-query attention of queries at positions ``start..`` over keys
     ``0..len(k)-1``; with ``window``, a query at ``p`` sees keys ``j`` with ``p - j < window``.
     ``start`` may instead be a tensor of the queries' positions (a captured decode step,
     whose key range is fixed: keys past a query are masked). ``q [T, H, D]``,
     ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]`` (gpt-oss) are
-    per-head logits that join each softmax's denominator and carry no value."""
+    per-head logits that join each softmax's denominator and carry no value. ``masks``
+    shares the masks between the layers of one step."""
     t, h, _ = q.shape
     n_keys = k.shape[0]
     first = 0
-    qpos = None
-    if isinstance(start, torch.Tensor):
-        qpos = start[:, None]
+    if not isinstance(start, torch.Tensor) and window and t == 1:
+        first = max(0, n_keys - window)
+        k, v = k[first:], v[first:]
+    key = (id(start) if isinstance(start, torch.Tensor) else start, t, first, n_keys, window)
+    if masks is not None and key in masks:
+        mask = masks[key]
     else:
-        if window and t == 1:
-            first = max(0, n_keys - window)
-            k, v = k[first:], v[first:]
-        if t > 1:
-            qpos = torch.arange(start, start + t, device=q.device)[:, None]
-    mask = None
-    if qpos is not None:
-        kpos = torch.arange(first, n_keys, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= qpos - kpos < window
+        mask = _causal_mask(start, t, first, n_keys, window, q.device)
+        if masks is not None:
+            masks[key] = mask
     if sinks is not None:
         k, v, mask = _with_sink(k, v, mask, sinks, t)
     out = F.scaled_dot_product_attention(
@@ -341,6 +338,23 @@ def attention(
         enable_gqa=h != k.shape[1],
     )
     return out.transpose(0, 1).reshape(t, -1)
+
+
+def _causal_mask(
+    start: int | torch.Tensor, t: int, first: int, n_keys: int, window: int, device: torch.device
+) -> torch.Tensor | None:
+    """Which keys ``first..n_keys-1`` each query sees (None: all of them)."""
+    if isinstance(start, torch.Tensor):
+        qpos = start[:, None]
+    elif t > 1:
+        qpos = torch.arange(start, start + t, device=device)[:, None]
+    else:
+        return None
+    kpos = torch.arange(first, n_keys, device=device)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= qpos - kpos < window
+    return mask
 
 
 def _with_sink(

@@ -88,11 +88,12 @@ class Span:
 @dataclass
 class Step:
     """What the layers of one forward pass share: the rows' positions (on the model's
-    device), the sequences, and the RoPE tables made so far."""
+    device), the sequences, and the RoPE tables and attention masks made so far."""
 
     pos: torch.Tensor
     spans: list[Span]
     rope: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    masks: dict[tuple[Any, ...], torch.Tensor | None] = field(default_factory=dict)
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -392,10 +393,13 @@ class Transformer:
         return x + f
 
     def _rope(self, x: torch.Tensor, step: Step, blk: Block, n_rot: int) -> torch.Tensor:
-        # One cos/sin table per (base, scale) and step, shared by the layers.
-        key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype)
+        # One table per (base, scale) and step, shared by the layers. When NEOX rotates whole
+        # heads, the table holds cos/sin for both halves: x * cos + roll(x) * sin is then the
+        # whole rotation (fewer kernels on the GPU, the same float operations).
+        whole = self.feat.rope_neox and n_rot == x.shape[-1]
+        key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype, whole)
         if key not in step.rope:
-            step.rope[key] = rope_cos_sin(
+            cos, sin = rope_cos_sin(
                 step.pos,
                 blk.rope_base,
                 n_rot,
@@ -404,7 +408,12 @@ class Transformer:
                 self.rope_factors,
                 self.rope,
             )
+            if whole:
+                cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+            step.rope[key] = (cos, sin)
         cos, sin = step.rope[key]
+        if whole:
+            return x * cos + x.roll(n_rot // 2, -1) * sin
         return rotate(x, cos, sin, n_rot, self.feat.rope_neox)
 
     def _attention(
@@ -437,7 +446,14 @@ class Transformer:
             k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
             outs.append(
                 attention(
-                    q[row : row + n], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                    q[row : row + n],
+                    k_all,
+                    v_all,
+                    sp.start,
+                    self.attn_scale,
+                    window,
+                    blk.sinks,
+                    step.masks,
                 )
             )
             row += n
@@ -478,7 +494,11 @@ class Transformer:
             k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
             if s.latent:
                 v_all = k_all[..., : s.kv_lora]
-            outs.append(attention(q[row : row + n], k_all, v_all, sp.start, self.attn_scale))
+            outs.append(
+                attention(
+                    q[row : row + n], k_all, v_all, sp.start, self.attn_scale, masks=step.masks
+                )
+            )
             row += n
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if w.wv_b is not None:

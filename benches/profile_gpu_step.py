@@ -1,0 +1,76 @@
+"""Where a GPU step's time goes: the CUDA kernels of one prompt pass and of eager decode
+steps (no graph, so each kernel shows), by total time and count, from torch.profiler; and
+the replayed-graph decode step's time.
+
+    python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from freetoken.engine.options import EngineOptions
+from freetoken.llm import LLM
+from torch.profiler import ProfilerActivity, profile
+
+
+def _table(prof: profile, title: str, rows: int) -> None:
+    print(f"\n## {title}")
+    print(
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=8, help="decode steps profiled")
+    ap.add_argument("--dense-weights", default="quant")
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    llm = LLM(
+        args.model,
+        n_ctx=args.p + 64,
+        engine=EngineOptions(device="cuda", moe_strategy="gpu", dense_weights=args.dense_weights),
+    )
+    model = llm.model
+    tokens = list(range(100, 100 + args.p))
+    cache = model.new_cache(args.p + 64)
+    model.forward(tokens, cache)  # warm-up
+    cache.truncate(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.forward(tokens, cache)
+        torch.cuda.synchronize()
+    _table(prof, f"prompt pass of {args.p} tokens", args.rows)
+
+    graphs, model.graphs = model.graphs, None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(args.n):
+            model.forward([200 + i], cache)
+        torch.cuda.synchronize()
+    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    layers = model.cfg.n_layers
+    per_step = kernels / args.n
+    print(f"\neager decode: {per_step:.0f} kernels per step, {per_step / layers:.1f} per layer")
+    _table(prof, f"{args.n} eager decode steps", args.rows)
+
+    model.graphs = graphs
+    cache.truncate(args.p)
+    for i in range(4):
+        model.forward([300 + i], cache)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(32):
+        model.forward([400 + i], cache)
+    torch.cuda.synchronize()
+    print(f"\ngraph decode: {(time.perf_counter() - t0) / 32 * 1e3:.3f} ms per step")
+
+
+if __name__ == "__main__":
+    main()
