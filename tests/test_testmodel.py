@@ -1190,3 +1190,226 @@ def test_moe_routing_spread(tmp_path: Path, spm_vocab: Path, case: str) -> None:
         assert layer.sum() == 2 * len(tokens)
         assert (layer > 0).sum() >= 6, layer
         assert layer.max() <= 0.4 * layer.sum(), layer
+
+
+# --------------------------------------------------------------------------------------------
+# Big models: tiled experts and threads
+# --------------------------------------------------------------------------------------------
+
+#: glm4moe with a leading dense layer, so MoE layers 1-4 are tiled from layers 1 and 2.
+TILE_ARGS: dict[str, Any] = dict(
+    layers=5, hidden=64, ffn=64, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
+    expert_ffn=32, leading_dense=1, seed=4, quant="q8_0,exps=q4_0,blk.4.ffn_down_exps=q5_0",
+)  # fmt: skip
+
+
+def _tensors(path: Path) -> dict[str, Any]:
+    return {t.name: t for t in _reader(path).tensors}
+
+
+def _raw(t: Any) -> bytes:
+    return np.asarray(t.data).tobytes()
+
+
+def test_tiled_experts_repeat_layers(tmp_path: Path, spm_vocab: Path) -> None:
+    """With tile_experts 2 the 3rd and 4th MoE layers hold the experts of the 1st and 2nd,
+    where the types agree byte for byte; everything else is the untiled model's."""
+    kw = dict(TILE_ARGS, vocab=spm_vocab)
+    tiled = _tensors(make_test_model("glm4moe", out=tmp_path / "t.gguf", tile_experts=2, **kw))
+    plain = _tensors(make_test_model("glm4moe", out=tmp_path / "p.gguf", **kw))
+    assert tiled.keys() == plain.keys()
+    exps = [n for n in tiled if "_exps." in n]
+    assert len(exps) == 4 * 3
+    for name in tiled:
+        if name not in exps or name.startswith(("blk.1.", "blk.2.")):
+            assert _raw(tiled[name]) == _raw(plain[name]), name
+    for kind in ("gate", "up", "down"):
+        layer = {i: _raw(tiled[f"blk.{i}.ffn_{kind}_exps.weight"]) for i in range(1, 5)}
+        assert layer[1] != layer[2]
+        assert layer[3] == layer[1]
+        if kind != "down":
+            assert layer[4] == layer[2]
+    # Layer 4's down projections are Q5_0 (the spec), drawn as layer 2's, not as its own.
+    t4 = tiled["blk.4.ffn_down_exps.weight"]
+    assert t4.tensor_type == Q.Q5_0 and _raw(t4) != _raw(plain["blk.4.ffn_down_exps.weight"])
+    shape = {k: v for k, v in TILE_ARGS.items() if k not in ("seed", "quant")}
+    cfg = build_config("glm4moe", vocab_size=32000, **shape)
+    names = ["blk.2.ffn_down_exps.weight"]
+    [(_, src)] = source_tensors("glm4moe", cfg, 4, read_vocab(spm_vocab), names)
+    got = gguf.quants.dequantize(t4.data, t4.tensor_type).reshape(src.shape)
+    assert np.sqrt(np.mean((got - src) ** 2) / np.mean(src**2)) <= REL_ERR["Q5_0"]
+    assert _fields(_reader(tmp_path / "t.gguf"))["freetoken.test_model.tile_experts"] == 2
+    assert "freetoken.test_model.tile_experts" not in _fields(_reader(tmp_path / "p.gguf"))
+
+
+def test_tiled_per_expert_layout(tmp_path: Path, spm_vocab: Path) -> None:
+    path = make_test_model(
+        "llama", layers=3, hidden=64, ffn=64, heads=4, experts=4, top_k=2, tile_experts=1,
+        expert_layout="per-expert", vocab=spm_vocab, out=tmp_path / "m.gguf",
+    )  # fmt: skip
+    t = _tensors(path)
+    for e in range(4):
+        for i in (1, 2):
+            assert _raw(t[f"blk.{i}.ffn_up.{e}.weight"]) == _raw(t[f"blk.0.ffn_up.{e}.weight"])
+    assert _raw(t["blk.0.ffn_up.0.weight"]) != _raw(t["blk.0.ffn_up.1.weight"])
+    assert _raw(t["blk.1.ffn_gate_inp.weight"]) != _raw(t["blk.0.ffn_gate_inp.weight"])
+
+
+def test_threads_do_not_change_the_file(tmp_path: Path, spm_vocab: Path) -> None:
+    kw: dict[str, Any] = dict(
+        layers=3, hidden=64, ffn=64, heads=4, experts=8, top_k=2, expert_ffn=32, seed=2,
+        vocab=spm_vocab, quant="q8_0,exps=q4_k,blk.2.ffn_down_exps=f16", routing="zipf",
+        tile_experts=2,
+    )  # fmt: skip
+    one = make_test_model("qwen3moe", out=tmp_path / "1.gguf", threads=1, **kw)
+    many = make_test_model("qwen3moe", out=tmp_path / "5.gguf", threads=5, **kw)
+    assert one.read_bytes() == many.read_bytes()
+
+
+def test_failed_task_leaves_no_file(
+    tmp_path: Path, spm_vocab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error in one of the threads' tasks reaches the caller; no file is left behind."""
+    from freetoken.testmodel import writer
+
+    calls = []
+    encode = writer._encode
+
+    def failing(values: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
+        calls.append(qtype)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return encode(values, qtype, out)
+
+    monkeypatch.setattr(writer, "_encode", failing)
+    with pytest.raises(FileAccessError, match="No space left"):
+        make_test_model(
+            "qwen3moe", layers=2, hidden=64, ffn=64, heads=4, experts=4, top_k=2, threads=3,
+            vocab=spm_vocab, out=tmp_path / "x.gguf",
+        )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "message"),
+    [
+        ("llama", {"routing": "zipf"}, "need routed experts"),
+        ("llama", {"tile_experts": 1}, "need routed experts"),
+        ("qwen3moe", {"routing": "pareto"}, "routing must be one of uniform, zipf"),
+        ("qwen3moe", {"zipf_s": -0.5}, "zipf-s must be >= 0"),
+        ("qwen3moe", {"tile_experts": -1}, "tile-experts must be an integer >= 0"),
+        ("qwen3moe", {"threads": 0}, "threads must be a positive integer"),
+    ],
+)
+def test_generation_option_errors(
+    tmp_path: Path, spm_vocab: Path, arch: str, extra: dict, message: str
+) -> None:
+    args: dict[str, Any] = dict(layers=2, hidden=64, ffn=64, heads=4)
+    if arch == "qwen3moe":
+        args.update(experts=4, top_k=2)
+    with pytest.raises(InvalidInputError, match=message):
+        make_test_model(arch, vocab=spm_vocab, out=tmp_path / "x.gguf", **args, **extra)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_generation_options(tmp_path: Path, spm_vocab: Path) -> None:
+    out = tmp_path / "big.gguf"
+    args = _parser().parse_args(
+        [
+            "--arch", "qwen3moe", "--layers", "3", "--hidden", "64", "--heads", "4",
+            "--experts", "8", "--top-k", "2", "--expert-ffn", "32", "--vocab", str(spm_vocab),
+            "--routing", "zipf", "--zipf-s", "1.25", "--tile-experts", "2", "--threads", "2",
+            "-o", str(out), "--check", "none",
+        ]
+    )  # fmt: skip
+    assert run(args) == 0
+    meta = _fields(gguf.GGUFReader(out))
+    assert meta["freetoken.test_model.routing"] == "zipf"
+    assert meta["freetoken.test_model.zipf_s"] == pytest.approx(1.25)
+    assert meta["freetoken.test_model.tile_experts"] == 2
+    defaults = _parser().parse_args(["--arch", "qwen3moe", "-o", "x"])
+    assert (defaults.routing, defaults.tile_experts, defaults.threads) == ("uniform", 0, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Skewed routing: Zipf-like expert popularity per layer
+# --------------------------------------------------------------------------------------------
+
+
+def _zipf_top_quarter(n: int, s: float) -> float:
+    """The hottest quarter's share of rank^-s popularity over n experts."""
+    w = np.arange(1, n + 1, dtype=np.float64) ** -s
+    return float(w[: n // 4].sum() / w.sum())
+
+
+def test_zipf_shares() -> None:
+    from freetoken.testmodel.routing import ZIPF_S, zipf_shares
+
+    shares = zipf_shares(128, 8, ZIPF_S)
+    want = np.arange(1, 129, dtype=np.float64) ** -ZIPF_S
+    np.testing.assert_allclose(shares, want / want.sum())
+    # The documented default: the hottest 25% of 128 experts take about half of the routes.
+    assert 0.48 <= shares[:32].sum() <= 0.52
+    # Top-4 of 8: an expert takes at most a quarter of the routes (once per token); the cap
+    # (0.9 of that) moves the excess to the others in proportion.
+    capped = zipf_shares(8, 4, 1.0)
+    assert capped.sum() == pytest.approx(1.0)
+    assert capped.max() == pytest.approx(0.9 / 4)
+    assert (np.diff(capped) <= 1e-12).all()
+
+
+@pytest.mark.parametrize(("n", "k", "s"), [(16, 2, 1.0), (128, 8, 0.55)])
+def test_popularity_bias_gives_the_shares(n: int, k: int, s: float) -> None:
+    """Top-k over N(0, 3^2) logits plus the biases, simulated here with another generator,
+    routes by the Zipf shares."""
+    from freetoken.testmodel.routing import ROUTER_SCALE, popularity_bias
+
+    bias = popularity_bias(n, k, s)
+    z = ROUTER_SCALE * np.random.default_rng(7).standard_normal((20000, n)) + bias
+    top = np.argsort(-z, axis=-1)[:, :k]
+    shares = np.bincount(top.ravel(), minlength=n) / top.size
+    assert (np.diff(bias) <= 0).all()  # hottest first
+    assert abs(shares[: n // 4].sum() - _zipf_top_quarter(n, s)) <= 0.01
+    zipf = np.arange(1, n + 1) ** -s
+    np.testing.assert_allclose(shares[:4], zipf[:4] / zipf.sum(), rtol=0.1)
+
+
+def _route_quarters(path: Path, n_experts: int) -> tuple[list[float], list[int]]:
+    """Per MoE layer, over 512 prompt tokens, as FreeToken's MoE counters saw them: the
+    hottest quarter of the experts' share of the routes, and the hottest expert."""
+    from freetoken.llm import LLM
+    from freetoken.profile import expert_profile
+    from freetoken.testmodel.check import default_prompt
+
+    llm = LLM(path, n_ctx=600)
+    llm.logits(default_prompt(path, 512))
+    layers = expert_profile(llm)["layers"]
+    counts = [np.asarray(layer["counts"]) for layer in layers]
+    quarters = [float(np.sort(c)[::-1][: n_experts // 4].sum() / c.sum()) for c in counts]
+    return quarters, [int(c.argmax()) for c in counts]
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
+def test_zipf_routing_skews_the_routes(tmp_path: Path, spm_vocab: Path, arch: str) -> None:
+    """Uniform routing spreads the routes about evenly; zipf routing gives each layer its own
+    hot experts, the hottest quarter taking about the Zipf share; the model stays peaked."""
+    e, s = 16, 1.0
+    kw: dict[str, Any] = dict(
+        layers=4, hidden=128, ffn=128, heads=4, experts=e, top_k=2, expert_ffn=64, seed=1,
+        vocab=spm_vocab, log=lambda line: None,
+    )  # fmt: skip
+    if arch == "glm4moe":
+        kw.update(head_dim=32, leading_dense=1)
+    uniform = make_test_model(arch, out=tmp_path / "u.gguf", **kw)
+    zipf = make_test_model(arch, out=tmp_path / "z.gguf", routing="zipf", zipf_s=s, **kw)
+    flat, _ = _route_quarters(uniform, e)
+    skewed, hottest = _route_quarters(zipf, e)
+    # Even routes would give a quarter; 1024 routes per layer add noise, the synthetic hidden
+    # states some correlation and glm4moe's selection biases a preference (seeds 1-5: means
+    # 0.30-0.39; zipf 0.56-0.64 for a Zipf share of 0.62).
+    assert np.mean(flat) < 0.42, flat
+    want = _zipf_top_quarter(e, s)
+    assert abs(np.mean(skewed) - want) < 0.1, (skewed, want)
+    assert min(skewed) > np.mean(flat) + 0.05, (skewed, flat)
+    assert len(set(hottest)) > 1, hottest
+    assert check_peakedness(zipf) >= 0.2

@@ -7,6 +7,10 @@
   (:mod:`~freetoken.testmodel.vocab`), seeded weights scaled for a peaked next-token
   distribution and quantized by a quant spec (:mod:`~freetoken.testmodel.spec`, whose
   docstring has the grammar) through :func:`freetoken.quant.quantize`.
+- MoE models may have skewed routing, per-layer hot experts with Zipf-like route shares
+  (:mod:`~freetoken.testmodel.routing`), and tiled experts, a few layers' experts repeated
+  through a deep model so it is written fast (``routing``, ``tile_experts`` of
+  :func:`make_test_model`).
 - :func:`check_peakedness` measures the mean top-1 probability over a prompt.
 - :func:`add_arguments` and :func:`run` are the CLI subcommand.
 """

@@ -19,13 +19,33 @@ How the weights are scaled (so that activations stay sane and the next token is 
   1 + N(0, 0.05^2) (Gemma's too: GGUF stores its effective multiplier ``1 + w``). Biases are
   N(0, 0.1^2); biases added to a block's output (gpt-oss) are a fraction of the block's size.
 - MoE layers: router rows are N(0, ROUTER_SCALE^2 / hidden), so the router logits spread over
-  a few units and the tokens pick varied experts with clear margins (a near-tie would make
-  routing flip on rounding noise). Each expert is an FFN as above; the down projections are
-  scaled by ``1 / sqrt(E[sum_k w_k^2])`` for the architecture's routing weights ``w`` (estimated
-  by simulating the routing on such logits), so the routed sum has the block's size whatever
-  the routing. With shared experts, the routed part carries 2/3 of the block's power.
-  Selection biases (``exp_probs_b``) are N(0, 0.02^2) against sigmoid scores spread over
-  (0, 1); gpt-oss's attention sinks are N(0, 1) logits.
+  a few units and the tokens pick varied experts (for sigmoid gating a smaller scale was
+  measured not to make the top-k choice more robust to rounding, see
+  :mod:`~freetoken.testmodel.routing`). Each expert is an FFN as above; the down projections
+  are scaled by ``1 / sqrt(E[sum_k w_k^2])`` for the architecture's routing weights ``w``
+  (estimated by simulating the routing on such logits), so the routed sum has the block's
+  size whatever the routing. With shared experts, the routed part carries 2/3 of the block's
+  power. Selection biases (``exp_probs_b``) are N(0, 0.02^2) against sigmoid scores spread
+  over (0, 1); gpt-oss's attention sinks are N(0, 1) logits.
+- Skewed routing (``routing="zipf"``): every token embedding gets a shared component
+  ``SHARED_EMBD * |e| * u`` along one seeded unit direction ``u``, so every normed hidden state
+  has about the same projection ``c = SHARED_EMBD * sqrt(hidden / (1 + SHARED_EMBD^2))`` on
+  ``u`` (measured: later layers hardly lower it). Each router row loses its random ``u``
+  component and gets ``b_e / c`` along ``u`` instead, so its logit carries a per-expert bias
+  ``b_e``: the biases of :func:`~freetoken.testmodel.routing.popularity_bias`, which give
+  Zipf-like route shares (rank^-s), dealt to the experts by a per-layer seeded permutation
+  (each layer has other hot experts). The output projection is built from the embeddings
+  without the shared component.
+- Tiled experts (``tile_experts=N``): the i-th MoE layer's routed expert matrices have the
+  values of the (i mod N)-th's, and the same bytes where the types agree (kept in memory once,
+  written again); routers, attention and norms stay per layer. Generating the experts, most
+  of a big model's work, then takes N / layers of the time; writing the file does not shrink.
+
+Tensors are generated, quantized and written by a pool of threads (numpy's generators, the
+quantizer and ``os.pwrite`` release the GIL), one task per expert of a stack, per block of
+rows of the embeddings and the output, or per other tensor, each written straight to its
+offset in GGUFWriter's layout. Memory holds the pieces of at most ``2 * threads`` tasks, the
+float32 embeddings, and the tiled layers' experts.
 
 Every tensor comes from its own generator, seeded by (seed, tensor name), so a test can
 regenerate any tensor's source values with :func:`source_tensors`. A stack of experts draws
@@ -37,16 +57,20 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
+import threading
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from freetoken import quant as qt
 from freetoken.errors import FileAccessError, InvalidInputError
@@ -55,20 +79,29 @@ from freetoken.testmodel.archs import (
     ArchSpec,
     MetaItem,
     ModelConfig,
-    RoutingSpec,
     TensorDef,
     gated_act_rms,
     get_arch,
+)
+from freetoken.testmodel.routing import (
+    PROBS_BIAS_STD,
+    ROUTER_SCALE,
+    ZIPF_S,
+    popularity_bias,
+    routed_power,
 )
 from freetoken.testmodel.spec import QuantSpec, fallback_type, parse_quant_spec, type_name
 from freetoken.testmodel.vocab import Vocab, read_vocab, resolve_vocab
 
 __all__ = [
+    "ROUTINGS",
+    "GenOptions",
     "PlannedTensor",
     "WeightGen",
     "build_config",
     "make_test_model",
     "plan_tensors",
+    "routed_power",
     "source_tensors",
 ]
 
@@ -80,20 +113,18 @@ TARGET_TOP1 = 0.5
 ATTN_SHARPNESS = 2.0
 NORM_JITTER = 0.05
 BIAS_STD = 0.1
-#: Spread of the router logits (softmax or sigmoid scores of unit-RMS inputs).
-ROUTER_SCALE = 3.0
 #: The routed experts' share of an MoE block's power when it has shared experts.
 ROUTED_SHARE = 2.0 / 3.0
-#: Selection bias (exp_probs_b) spread.
-PROBS_BIAS_STD = 0.02
 #: Biases added to a block's output, relative to the block's size.
 OUT_BIAS_SCALE = 0.3
-#: Rows simulated to estimate the routing weights' power.
-_ROUTE_SAMPLES = 4096
 #: Output rows of control, byte and unused tokens relative to ordinary ones.
 SPECIAL_OUTPUT_SCALE = 0.5
-#: Rows quantized per call, so big matrices do not need a second full-size buffer.
+#: Skewed routing: the shared component of the token embeddings relative to their size.
+SHARED_EMBD = 0.5
+#: Values per generation task and per quantizer call, so big matrices are cut into row blocks.
 CHUNK_ELEMENTS = 1 << 24
+#: The routings make-test-model draws.
+ROUTINGS = ("uniform", "zipf")
 
 # llama.cpp's file types (include/llama.h, llama_ftype) by the type most matrices have, as
 # llama.cpp itself guesses them for files without general.file_type.
@@ -103,6 +134,11 @@ _FILE_TYPES = {
     "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32,
     "TQ1_0": 36, "TQ2_0": 37, "MXFP4": 38, "NVFP4": 39, "Q1_0": 40, "Q2_0": 41,
 }  # fmt: skip
+
+_BLK = re.compile(r"^blk\.\d+\.")
+
+#: One piece of a tensor: its rows (of ``K`` values; 1 for a vector) and how to make them.
+Piece = tuple[int, Callable[[], np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -125,6 +161,44 @@ class PlannedTensor:
         t = self.tensor
         rows = math.prod(t.shape[:-1])
         return qt.type_info(self.qtype).row_size(t.k) * rows
+
+
+@dataclass(frozen=True)
+class GenOptions:
+    """How the weights are drawn beyond the model's shape (see the module docstring)."""
+
+    routing: str = "uniform"
+    """``uniform``: no preferred experts; ``zipf``: per-layer expert popularity ~ rank^-s."""
+    zipf_s: float = ZIPF_S
+    """The Zipf exponent of ``zipf`` routing (0: uniform shares)."""
+    tile_experts: int = 0
+    """0: every MoE layer's experts drawn; N: the i-th MoE layer's are the (i mod N)-th's."""
+
+    def validate(self, arch: ArchSpec, cfg: ModelConfig) -> None:
+        """InvalidInputError for options the model cannot have."""
+        if self.routing not in ROUTINGS:
+            raise InvalidInputError(
+                f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}"
+            )
+        tile = self.tile_experts
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile < 0:
+            raise InvalidInputError(f"tile-experts must be an integer >= 0, got {tile!r}")
+        if not math.isfinite(self.zipf_s) or self.zipf_s < 0:
+            raise InvalidInputError(f"zipf-s must be >= 0, got {self.zipf_s}")
+        if not arch.is_moe(cfg):
+            if self.routing != "uniform" or tile:
+                raise InvalidInputError("routing and tile-experts need routed experts")
+
+    def metadata(self) -> list[MetaItem]:
+        """Provenance keys for the options that differ from the defaults."""
+        key = "freetoken.test_model."
+        items = []
+        if self.routing != "uniform":
+            items.append(MetaItem(key + "routing", self.routing, GGUFValueType.STRING))
+            items.append(MetaItem(key + "zipf_s", float(self.zipf_s), GGUFValueType.FLOAT32))
+        if self.tile_experts:
+            items.append(MetaItem(key + "tile_experts", self.tile_experts, GGUFValueType.UINT32))
+        return items
 
 
 def build_config(
@@ -192,15 +266,16 @@ def _log_partition(s: float, n: int) -> float:
     return ln_n + s * s / 2.0 if s <= s_c else s * s_c
 
 
-def _logit_spread(hidden: int, n_out: int, target: float) -> float:
+def _logit_spread(hidden: int, n_out: int, target: float, shared_power: float = 0.0) -> float:
     """The std ``s`` of the other tokens' logits for which the expected top-1 is ``target``.
 
     The final hidden state is RMS-normed (|h|^2 = hidden); its embedding part makes the
-    matching logit about s * sqrt(hidden) / sqrt(1 + BLOCKS_RMS^2), the others are N(0, s^2).
+    matching logit about s * sqrt(hidden) / sqrt(1 + shared_power + BLOCKS_RMS^2) (the shared
+    component of skewed routing takes ``shared_power``), the others are N(0, s^2).
     Solves match - ln(sum of the others' exp) = logit(target) for the smallest such s (or the
     best s where no s reaches it).
     """
-    a = math.sqrt(hidden / (1.0 + BLOCKS_RMS**2))
+    a = math.sqrt(hidden / (1.0 + shared_power + BLOCKS_RMS**2))
     want = math.log(target / (1.0 - target))
     best_s, best = 0.5, -math.inf
     s = 0.5
@@ -215,26 +290,44 @@ def _logit_spread(hidden: int, n_out: int, target: float) -> float:
 
 
 class WeightGen:
-    """The float32 source values of each tensor (deterministic in seed and tensor name)."""
+    """The float32 source values of each tensor (deterministic in seed, tensor name and
+    :class:`GenOptions`); safe to use from several threads."""
 
-    def __init__(self, arch: ArchSpec, cfg: ModelConfig, seed: int, normal: np.ndarray) -> None:
+    def __init__(
+        self,
+        arch: ArchSpec,
+        cfg: ModelConfig,
+        seed: int,
+        normal: np.ndarray,
+        options: GenOptions | None = None,
+    ) -> None:
         self.arch, self.cfg, self.seed = arch, cfg, seed
         self.normal = normal
+        self.options = options or GenOptions()
         h = cfg.hidden
+        routing = arch.routing(cfg)
+        # Skewed routing: the logit bias of each popularity rank, hottest first.
+        self.popularity: np.ndarray | None = None
+        if routing is not None and self.options.routing == "zipf":
+            self.popularity = popularity_bias(cfg.experts, cfg.top_k, self.options.zipf_s)
+        shared_power = SHARED_EMBD**2 if self.popularity is not None else 0.0
         n_out = int(normal.sum()) or cfg.vocab_size
-        spread = _logit_spread(h, n_out, TARGET_TOP1)
+        spread = _logit_spread(h, n_out, TARGET_TOP1, shared_power)
         self.sigma_embd = spread / math.sqrt(h)
         # The residual stream's size: gemma multiplies the embeddings by sqrt(hidden).
         self.sigma_res = self.sigma_embd * (math.sqrt(h) if arch.embed_scale else 1.0)
         self.block_rms = BLOCKS_RMS / math.sqrt(2 * cfg.layers) * self.sigma_res
         self.act_rms = gated_act_rms(arch.ffn_act)
         self._embd: np.ndarray | None = None
+        self._perm: np.ndarray | None = None
+        self._lock = threading.Lock()
         # MoE: with shared experts, the routed ones carry 2/3 of the FFN block's power.
-        routing = arch.routing(cfg)
         shared = bool(cfg.shared_experts)
         self.moe_share = math.sqrt(ROUTED_SHARE) if shared else 1.0
         self.shexp_share = math.sqrt(1.0 - ROUTED_SHARE)
-        self.routed_gain = 1.0 / math.sqrt(routed_power(routing, cfg.experts)) if routing else 1.0
+        self.routed_gain = 1.0
+        if routing is not None:
+            self.routed_gain = 1.0 / math.sqrt(routed_power(routing, cfg.experts, self.popularity))
         # qwen2moe scales the shared expert by sigmoid(z), z ~ N(0, 1).
         self.shexp_gain = 1.0 / _sigmoid_rms() if getattr(arch, "shared_gate", False) else 1.0
 
@@ -243,51 +336,119 @@ class WeightGen:
         return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
 
     def embeddings(self) -> np.ndarray:
-        """``token_embd`` as float32 (kept: the output projection is built from it)."""
-        if self._embd is None:
-            cfg = self.cfg
-            rng = self.rng("token_embd.weight")
-            e = rng.standard_normal((cfg.vocab_size, cfg.hidden), dtype=np.float32)
-            e *= np.float32(self.sigma_embd)
-            self._embd = e
-        return self._embd
+        """The token embeddings as float32, without skewed routing's shared component (kept:
+        the output projection is built from them)."""
+        with self._lock:
+            if self._embd is None:
+                cfg = self.cfg
+                rng = self.rng("token_embd.weight")
+                e = rng.standard_normal((cfg.vocab_size, cfg.hidden), dtype=np.float32)
+                e *= np.float32(self.sigma_embd)
+                self._embd = e
+            return self._embd
 
     def permutation(self) -> np.ndarray:
         """perm: the output row of ordinary token j is the embedding of token perm[j]."""
-        perm = np.arange(self.cfg.vocab_size)
-        idx = np.flatnonzero(self.normal)
-        perm[idx] = idx[self.rng("output.permutation").permutation(len(idx))]
-        return perm
+        with self._lock:
+            if self._perm is None:
+                perm = np.arange(self.cfg.vocab_size)
+                idx = np.flatnonzero(self.normal)
+                perm[idx] = idx[self.rng("output.permutation").permutation(len(idx))]
+                self._perm = perm
+            return self._perm
+
+    def shared_direction(self) -> np.ndarray:
+        """Skewed routing's unit direction ``u`` (float64, ``hidden``)."""
+        u = self.rng("routing.direction").standard_normal(self.cfg.hidden)
+        return u / np.linalg.norm(u)
+
+    def tiled(self, t: TensorDef) -> bool:
+        """Whether ``t`` is a routed expert matrix that ``tile_experts`` shares between
+        layers."""
+        return bool(self.options.tile_experts) and t.layer is not None and t.short.endswith("_exps")
+
+    def source_layer(self, t: TensorDef) -> int | None:
+        """The layer whose values ``t`` has: its own, or for tiled experts that of the MoE
+        layer it repeats."""
+        if not self.tiled(t):
+            return t.layer
+        assert t.layer is not None
+        first, n = self.cfg.leading_dense, self.options.tile_experts
+        return first + (t.layer - first) % n
+
+    def source_key(self, t: TensorDef) -> str:
+        """The generator key of ``t``'s values: its name, with tiled experts' layer that of
+        :meth:`source_layer`; ``stacked#expert`` for a per-expert matrix."""
+        name = t.name if t.source is None else f"{t.source[0]}#{t.source[1]}"
+        if not self.tiled(t):
+            return name
+        return _BLK.sub(f"blk.{self.source_layer(t)}.", name)
 
     def tensor(self, t: TensorDef) -> np.ndarray:
         """The source values of ``t``, float32, shape ``t.shape``."""
-        if len(t.shape) == 3 and t.source is None and t.role != "embd":
-            return np.stack(list(self.chunks(t)))
-        return next(self.chunks(t))
+        parts = [make() for _, make in self.pieces(t)]
+        if len(parts) == 1:
+            return parts[0].reshape(t.shape)
+        return np.concatenate([p.reshape(-1, t.k) for p in parts]).reshape(t.shape)
 
-    def chunks(self, t: TensorDef) -> Iterator[np.ndarray]:
-        """The source values of ``t`` in row order: one array per expert of a stack (and of
-        MLA's per-head ``attn_k_b`` / ``attn_v_b``), else the whole tensor."""
-        role = t.role
-        if role == "embd":
-            yield self.embeddings()
-            return
-        if role == "output":
-            w = self.embeddings()[self.permutation()]
-            w[~self.normal] *= np.float32(SPECIAL_OUTPUT_SCALE)
-            yield w
-            return
+    def pieces(self, t: TensorDef) -> list[Piece]:
+        """``t`` cut for the threads, in row order: one piece per expert of a stack (and per
+        head of MLA's ``attn_k_b`` / ``attn_v_b``), blocks of rows of the embeddings and the
+        output, else the whole tensor. Each piece is (rows, a function making them)."""
+        role, k = t.role, t.k
+        rows = math.prod(t.shape[:-1])
+        if role in ("embd", "output"):
+            step = max(1, CHUNK_ELEMENTS // k)
+            make = self._embd_rows if role == "embd" else self._output_rows
+            return [
+                (min(step, rows - r), lambda r=r: make(r, min(r + step, rows)))
+                for r in range(0, rows, step)
+            ]
         std = self._matrix_std(t)
         if std is None:
-            yield self._vector(t)
-        elif t.source is not None:
-            stacked, x = t.source
-            yield self._normal(f"{stacked}#{x}", t.shape, std)
-        elif len(t.shape) == 3:
-            for x in range(t.shape[0]):
-                yield self._normal(f"{t.name}#{x}", t.shape[1:], std)
-        else:
-            yield self._normal(t.name, t.shape, std)
+            return [(rows, lambda: self._vector(t))]
+        name = self.source_key(t)
+        if t.source is not None:
+            return [(rows, lambda: self._normal(name, t.shape, std))]
+        if len(t.shape) == 3:
+            n = t.shape[1]
+            return [
+                (n, lambda x=x: self._normal(f"{name}#{x}", t.shape[1:], std))
+                for x in range(t.shape[0])
+            ]
+        if role == "router" and self.popularity is not None:
+            return [(rows, lambda: self._skewed_router(t, std))]
+        return [(rows, lambda: self._normal(name, t.shape, std))]
+
+    def _embd_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of ``token_embd``: the embeddings, with skewed routing's shared
+        component."""
+        e = self.embeddings()[lo:hi]
+        if self.popularity is None:
+            return e
+        size = SHARED_EMBD * self.sigma_embd * math.sqrt(self.cfg.hidden)
+        return e + (size * self.shared_direction()).astype(np.float32)
+
+    def _output_rows(self, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of the output projection: permuted embeddings, smaller for the
+        tokens that are not ordinary."""
+        w = self.embeddings()[self.permutation()[lo:hi]]
+        w[~self.normal[lo:hi]] *= np.float32(SPECIAL_OUTPUT_SCALE)
+        return w
+
+    def _skewed_router(self, t: TensorDef, std: float) -> np.ndarray:
+        """A router whose logits carry the popularity biases, dealt to the experts by the
+        layer's permutation, through the shared direction (module docstring)."""
+        assert self.popularity is not None and t.layer is not None
+        cfg, u = self.cfg, self.shared_direction()
+        along = SHARED_EMBD * math.sqrt(cfg.hidden / (1.0 + SHARED_EMBD**2))  # c
+        w = self._normal(t.name, t.shape, std).astype(np.float64)
+        # The random part without its u component, rescaled to keep logits N(0, std^2 H).
+        w -= np.outer(w @ u, u)
+        w /= math.sqrt(1.0 - along**2 / cfg.hidden)
+        bias = self.popularity[self.rng(f"{t.name}#popularity").permutation(cfg.experts)]
+        w += np.outer(bias / along, u)
+        return w.astype(np.float32)
 
     def _normal(self, key: str, shape: tuple[int, ...], std: float) -> np.ndarray:
         w = self.rng(key).standard_normal(shape, dtype=np.float32)
@@ -351,84 +512,142 @@ def _sigmoid_rms() -> float:
     return float(np.sqrt((w / (1.0 + np.exp(-x)) ** 2).sum()))
 
 
-def routed_power(r: RoutingSpec, n_experts: int) -> float:
-    """E[sum_k w_k^2] of the routing weights of ``r`` for router logits N(0, ROUTER_SCALE^2)
-    (simulated with a fixed seed, llama.cpp's ``build_moe_ffn`` steps)."""
-    rng = np.random.default_rng(0x5EED)
-    logits = ROUTER_SCALE * rng.standard_normal((_ROUTE_SAMPLES, n_experts))
-    if r.func == "softmax":
-        e = np.exp(logits - logits.max(-1, keepdims=True))
-        probs = e / e.sum(-1, keepdims=True)
-    elif r.func == "sigmoid":
-        probs = 1.0 / (1.0 + np.exp(-logits))
-    else:
-        probs = logits
-    select = probs.copy()
-    if r.selection_bias:
-        select += PROBS_BIAS_STD * rng.standard_normal(n_experts)
-    if r.groups > 1:
-        g = select.reshape(_ROUTE_SAMPLES, r.groups, -1)
-        score = np.sort(g, axis=-1)[..., -2:].sum(-1)
-        keep = np.argsort(-score, axis=-1)[:, : r.groups_used]
-        mask = np.ones(score.shape, dtype=bool)
-        np.put_along_axis(mask, keep, False, axis=-1)
-        select = np.where(mask[..., None], -np.inf, g).reshape(_ROUTE_SAMPLES, -1)
-    ids = np.argsort(-select, axis=-1)[:, : r.top_k]
-    w = np.take_along_axis(probs, ids, axis=-1)
-    if r.func == "softmax_weight":
-        w = np.exp(w - w.max(-1, keepdims=True))
-        w /= w.sum(-1, keepdims=True)
-    if r.normalize:
-        w /= np.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
-    w *= r.scale
-    return float((w * w).sum(-1).mean())
-
-
 def source_tensors(
     arch: str,
     cfg: ModelConfig,
     seed: int,
     vocab: Vocab,
     names: list[str] | None = None,
+    options: GenOptions | None = None,
 ) -> Iterator[tuple[TensorDef, np.ndarray]]:
     """The float32 source values the writer quantized, regenerated from the seed."""
     spec_arch = get_arch(arch)
-    gen = WeightGen(spec_arch, cfg, seed, vocab.normal_tokens())
+    gen = WeightGen(spec_arch, cfg, seed, vocab.normal_tokens(), options)
     for t in spec_arch.tensors(cfg):
         if names is None or t.name in names:
             yield t, gen.tensor(t)
 
 
-def _encode(values: np.ndarray, qtype: int) -> np.ndarray:
-    """``values`` in type ``qtype`` as bytes (uint8), quantized a chunk of rows at a time."""
-    return _encode_chunks([values], qtype, values.size)
+# ---- encoding and writing on a pool of threads ---------------------------------------------
 
 
-def _encode_chunks(chunks: Iterable[np.ndarray], qtype: int, n_values: int) -> np.ndarray:
-    """The concatenated rows of ``chunks`` (``n_values`` values in all) in type ``qtype`` as
-    bytes; a stack of experts arrives one expert at a time, so it is never held in float32
-    whole."""
+def _encode(values: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``values`` in type ``qtype`` as bytes (uint8), into ``out`` if given (exactly their
+    size), quantized a block of rows at a time."""
     info = qt.type_info(qtype)
-    out: np.ndarray | None = None
+    k = values.shape[-1]
+    rows = values.reshape(-1, k)
+    if out is None:
+        out = np.empty(rows.shape[0] * info.row_size(k), dtype=np.uint8)
+    if info.name == "F32":
+        out[:] = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1).view(np.uint8)
+        return out
+    imatrix = np.ones(k, dtype=np.float32) if info.requires_imatrix else None
+    step = max(1, CHUNK_ELEMENTS // max(k, 1))
     pos = 0
-    for values in chunks:
-        k = values.shape[-1]
-        if out is None:
-            out = np.empty(n_values // k * info.row_size(k), dtype=np.uint8)
-        if info.name == "F32":
-            raw32 = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint8)
-            out[pos : pos + len(raw32)] = raw32
-            pos += len(raw32)
-            continue
-        rows = values.reshape(-1, k)
-        imatrix = np.ones(k, dtype=np.float32) if info.requires_imatrix else None
-        step = max(1, CHUNK_ELEMENTS // max(k, 1))
-        for r in range(0, rows.shape[0], step):
-            raw = qt.quantize(np.ascontiguousarray(rows[r : r + step]), info.id, imatrix)
-            out[pos : pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-            pos += len(raw)
-    assert out is not None and pos == len(out)
+    for r in range(0, rows.shape[0], step):
+        raw = qt.quantize(np.ascontiguousarray(rows[r : r + step]), info.id, imatrix)
+        out[pos : pos + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        pos += len(raw)
+    assert pos == len(out)
     return out
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    """Writes all of ``data`` at ``offset`` of ``fd``."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class _Tasks:
+    """A pool of threads with at most ``2 * threads`` tasks submitted and not finished (each
+    holds a piece's values), failing fast once a task has failed."""
+
+    def __init__(self, pool: ThreadPoolExecutor, threads: int) -> None:
+        self.pool = pool
+        self.slots = threading.Semaphore(2 * threads)
+        self.failed: list[Future[None]] = []
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        """Runs ``fn`` on the pool once a slot is free; raises a failed task's exception."""
+        self.slots.acquire()
+        if self.failed:
+            self.slots.release()
+            self.failed[0].result()
+        task = self.pool.submit(fn)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failed.append(task)
+        self.slots.release()
+
+    def finish(self) -> None:
+        """Waits for every task, raising the first failure."""
+        self.pool.shutdown(wait=True)
+        if self.failed:
+            self.failed[0].result()
+
+
+def _data_offsets(plan: list[PlannedTensor], start: int, alignment: int) -> list[int]:
+    """Each tensor's file offset as GGUFWriter lays them out: from ``start`` (the aligned end
+    of the tensor infos), each tensor padded to ``alignment``; plus the file's end."""
+    offsets = [start]
+    for p in plan:
+        offsets.append(offsets[-1] + GGUFWriter.ggml_pad(p.nbytes, alignment))
+    return offsets
+
+
+def _encode_piece(
+    fd: int, offset: int, make: Callable[[], np.ndarray], qtype: int, out: np.ndarray | None
+) -> None:
+    """Makes a piece's values, encodes them (into ``out`` if given) and writes them."""
+    _pwrite(fd, _encode(make(), qtype, out), offset)
+
+
+def _submit_tensor(
+    tasks: _Tasks, fd: int, offset: int, p: PlannedTensor, gen: WeightGen, keep: bool
+) -> tuple[np.ndarray | None, list[Future[None]]]:
+    """Submits the tasks that write ``p`` at ``offset``, one per piece; with ``keep`` the
+    bytes also go into a buffer, returned with the tasks that fill it."""
+    buf = np.empty(p.nbytes, dtype=np.uint8) if keep else None
+    row = qt.type_info(p.qtype).row_size(p.tensor.k)
+    pieces, pos = [], 0
+    for rows, make in gen.pieces(p.tensor):
+        dst = buf[pos : pos + rows * row] if buf is not None else None
+        pieces.append(tasks.submit(partial(_encode_piece, fd, offset + pos, make, p.qtype, dst)))
+        pos += rows * row
+    return buf, pieces
+
+
+def _write_tensors(
+    fd: int, offsets: list[int], plan: list[PlannedTensor], gen: WeightGen, threads: int
+) -> None:
+    """Writes every tensor's data at its offset, each piece generated, encoded and written
+    by one of ``threads`` threads. Tiled experts are kept in memory the first time they are
+    written, and the layers that repeat them (in the same type) write those bytes again."""
+    tiles: dict[tuple[str, int], tuple[np.ndarray, list[Future[None]]]] = {}
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="make-test-model")
+    tasks = _Tasks(pool, threads)
+    try:
+        for p, offset in zip(plan, offsets[:-1], strict=True):
+            key = (gen.source_key(p.tensor), p.qtype)
+            if key in tiles:
+                data, sources = tiles[key]
+                for source in sources:
+                    source.result()
+                tasks.submit(partial(_pwrite, fd, data, offset))
+                continue
+            keep = gen.tiled(p.tensor)
+            buf, pieces = _submit_tensor(tasks, fd, offset, p, gen, keep)
+            if buf is not None:
+                tiles[key] = (buf, pieces)
+        tasks.finish()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _gguf_type(qtype: int) -> GGMLQuantizationType | int:
@@ -449,6 +668,14 @@ def _file_type(plan: list[PlannedTensor]) -> int:
 
 def _add_meta(writer: GGUFWriter, item: MetaItem) -> None:
     writer.add_key_value(item.key, item.value, item.vtype, sub_type=item.sub_type)
+
+
+def default_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
 
 
 def make_test_model(
@@ -479,6 +706,10 @@ def make_test_model(
     expert_layout: str = "stacked",
     name: str | None = None,
     log: Callable[[str], None] | None = None,
+    routing: str = "uniform",
+    zipf_s: float = ZIPF_S,
+    tile_experts: int = 0,
+    threads: int | None = None,
     **arch_options: Any,
 ) -> Path:
     """Writes a synthetic ``arch`` model to ``out`` and returns its path.
@@ -502,6 +733,14 @@ def make_test_model(
     (``expert_gating``, ``expert_weights_norm``, ``expert_weights_scale``, ``expert_groups``,
     ``expert_groups_used``, ``rope_dim``, ``qk_norm``, ``q_lora_rank``, ``kv_lora_rank``,
     ``v_head_dim``); an option the architecture does not have is an InvalidInputError.
+
+    ``routing`` ``"zipf"`` gives every MoE layer its own hot experts: route shares about
+    proportional to rank^-``zipf_s`` (default :data:`~freetoken.testmodel.routing.ZIPF_S`),
+    through the routers and a shared direction in the embeddings; ``"uniform"`` (the
+    default) none. ``tile_experts`` N > 0 draws only N MoE layers' routed experts, the i-th
+    MoE layer repeating the (i mod N)-th's (routers, attention and norms stay per layer): a
+    big model in a fraction of the time. ``threads`` generate and quantize (default: every
+    core this process may use). The module docstring says how each is done.
 
     ``log`` receives one line per fallback (default: stderr).
 
@@ -540,6 +779,12 @@ def make_test_model(
     )
     if not isinstance(seed, int) or seed < 0:
         raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
+    options = GenOptions(routing=routing, zipf_s=zipf_s, tile_experts=tile_experts)
+    options.validate(spec_arch, cfg)
+    if threads is None:
+        threads = default_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise InvalidInputError(f"threads must be a positive integer, got {threads!r}")
     plan = plan_tensors(spec_arch, cfg, spec)
     for p in plan:
         if p.fell_back:
@@ -560,6 +805,8 @@ def make_test_model(
     writer.add_uint64("freetoken.test_model.seed", seed)
     writer.add_string("freetoken.test_model.quant", spec.text)
     writer.add_string("freetoken.test_model.vocab", voc.path.name)
+    for item in options.metadata():
+        _add_meta(writer, item)
     for item in voc.items:
         _add_meta(writer, item)
     f32 = qt.type_info("F32").id
@@ -573,14 +820,16 @@ def make_test_model(
                 t.name, t.shape, np.dtype(np.float32), p.nbytes, raw_dtype=_gguf_type(p.qtype)
             )  # type: ignore[arg-type]
 
-    gen = WeightGen(spec_arch, cfg, seed, voc.normal_tokens())
+    gen = WeightGen(spec_arch, cfg, seed, voc.normal_tokens(), options)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for p in plan:
-            data = _encode_chunks(gen.chunks(p.tensor), p.qtype, math.prod(p.tensor.shape))
-            writer.write_tensor_data(data)
+        fout = writer.fout[0]  # type: ignore[index]
+        start = GGUFWriter.ggml_pad(fout.tell(), writer.data_alignment)
+        offsets = _data_offsets(plan, start, writer.data_alignment)
+        _write_tensors(fout.fileno(), offsets, plan, gen, threads)
+        os.ftruncate(fout.fileno(), offsets[-1])
         writer.close()
         os.replace(tmp, out_path)
     except OSError as e:
