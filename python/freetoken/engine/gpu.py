@@ -129,6 +129,24 @@ class ExpertPool:
         start = slot * self.matrix_nbytes
         return self.tensor[start : start + self.matrix_nbytes]
 
+    def window(self, first_slot: int, n_slots: int) -> ExpertPool:
+        """Slots ``first_slot..first_slot + n_slots - 1`` as a pool of their own, sharing this
+        one's memory (one layer's experts in a pool of several layers: kernels launch over
+        its slots only). What ggml-cuda may read past its last row is the next slots' blocks
+        or this pool's zeroed tail."""
+        if first_slot < 0 or n_slots < 1 or first_slot + n_slots > self.n_slots:
+            raise InvalidInputError(
+                f"slots {first_slot}..{first_slot + n_slots - 1} outside [0, {self.n_slots})"
+            )
+        view = ExpertPool.__new__(ExpertPool)
+        view.info, view.k, view.n = self.info, self.k, self.n
+        view.n_slots, view.matrix_nbytes = n_slots, self.matrix_nbytes
+        start = first_slot * self.matrix_nbytes
+        view.tensor = self.tensor[
+            start : start + pool_nbytes(self.info.id, self.k, self.n, n_slots)
+        ]
+        return view
+
     def load(self, first_slot: int, raw: torch.Tensor, non_blocking: bool = False) -> None:
         """Copies whole matrices (a uint8 tensor of a multiple of ``matrix_nbytes``, host or
         device) into consecutive slots from ``first_slot``."""

@@ -215,7 +215,7 @@ class _PlannedPools:
 
 class ResidentExperts(_PlannedPools):
     """The ``gpu`` strategy: every expert of every layer resident (a plan that holds them
-    all), at slot = the layer's place in its pool x n_experts + expert."""
+    all), layer after layer in each pool."""
 
     def __init__(
         self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
@@ -223,18 +223,19 @@ class ResidentExperts(_PlannedPools):
         if not plan.all_resident:
             raise InvalidInputError("the gpu strategy needs a cache that holds every expert")
         super().__init__(layers, plan, device)
-        self.base = {}
+        # Each layer launches on a window of its own experts: a kernel's grid spans the
+        # pool's slots (MMQ's z dimension), and the expert ids are the slots.
+        self.windows: dict[int, tuple[gpu.ExpertPool, ...]] = {}
         for pp in plan.pools:
             for j, li in enumerate(pp.layers):
-                self.base[li] = j * pp.n_experts
+                _, pools = self.of_layer[li]
+                self.windows[li] = tuple(p.window(j * pp.n_experts, pp.n_experts) for p in pools)
 
     def launch(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        _, pools = self.of_layer[ex.index]
-        base = self.base[ex.index]
-        slots = ids + base if base else ids
-        return gpu.moe_layer(*pools, x, slots, weights, act=ex.layer.act, check_ids=False)
+        pools = self.windows[ex.index]
+        return gpu.moe_layer(*pools, x, ids, weights, act=ex.layer.act, check_ids=False)
 
 
 @dataclass

@@ -327,6 +327,8 @@ def attention(
         mask = _causal_mask(start, t, first, n_keys, window, q.device)
         if masks is not None:
             masks[key] = mask
+    if t == 1:
+        return _one_query(q[0], k, v, mask, scale, sinks)
     if sinks is not None:
         k, v, mask = _with_sink(k, v, mask, sinks, t)
     out = F.scaled_dot_product_attention(
@@ -338,6 +340,32 @@ def attention(
         enable_gqa=h != k.shape[1],
     )
     return out.transpose(0, 1).reshape(t, -1)
+
+
+def _one_query(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of one query ``[H, D]`` (a decode step) as two batched products over the
+    KV heads: the query heads of a group share their key head without copying it (the
+    fused kernels' GQA expands the cache), in float32 throughout."""
+    h, d = q.shape
+    n_kv = k.shape[1]
+    qg = (q * scale).view(n_kv, h // n_kv, d)
+    scores = torch.bmm(qg, k.permute(1, 2, 0))  # [Hkv, G, L]
+    if mask is not None:
+        scores = torch.where(mask, scores, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(n_kv, h // n_kv, 1)], -1)
+    p = scores.softmax(-1)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = torch.bmm(p, v.permute(1, 0, 2))  # [Hkv, G, Dv]
+    return out.reshape(1, -1)
 
 
 def _causal_mask(
