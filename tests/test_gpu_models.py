@@ -55,12 +55,22 @@ MODELS = {
                   quant="q8_0,blk.0.ffn_gate_exps=q4_k,blk.0.ffn_up_exps=q5_0,"
                         "blk.0.ffn_down_exps=q6_k,blk.1.exps=q4_1,blk.2.exps=mxfp4,"
                         "blk.2.ffn_down_exps=q8_0"),
+    # MLA with the latent cache (k_b/v_b), a leading dense layer, a shared expert.
+    "deepseek2": dict(arch="deepseek2", layers=3, kv_heads=None, head_dim=48, ffn=256,
+                      experts=8, top_k=4, expert_ffn=64, shared_experts=1, leading_dense=1,
+                      rope_dim=16, kv_lora_rank=64, v_head_dim=32, q_lora_rank=64,
+                      expert_gating="softmax", quant="q8_0,exps=q4_0,ffn_down_exps=q5_0"),
     # TQ2_0 has no GPU kernel: these experts stay on the CPU executor.
     "no-kernel": dict(arch="qwen3moe", head_dim=64, experts=8, top_k=2, expert_ffn=256,
                       quant="q8_0,exps=tq2_0"),
 }  # fmt: skip
-#: Families whose models test_moe_families_b.py builds (MLA, sigmoid routing, gpt-oss).
-FAMILY_B = ["glm4moe", "deepseek2", "gpt-oss"]
+#: Models test_moe_families_b.py builds: sigmoid routing with a selection bias (glm4moe),
+#: MLA with the older kv_b layout (deepseek2-kv_b), sinks, windows and clamped SwiGLU
+#: experts with biases (gpt-oss, on the CPU executor). Its sigmoid-grouped deepseek2 is left
+#: out: that test model's group scores tie (see test_moe_families_b.py), and the GPU's
+#: activation rounding (q8_1) flips a group choice on one prompt (mean KL 0.0155 with every
+#: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
+FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
 
 STRATEGIES = [("gpu", "quant"), ("offload", "quant")]
 

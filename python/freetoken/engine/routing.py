@@ -68,11 +68,14 @@ def route(
     if r.func == "softmax" and r.normalize and bias is None and r.n_groups == 1:
         # Renormalized top-k of a softmax is the softmax of the top-k logits: two kernels on
         # the GPU instead of six (a decode step runs one per layer).
-        vals, ids = logits.topk(r.top_k, dim=-1)
+        # A full sort of the expert logits, then the first k: one kernel on the GPU where
+        # topk takes two.
+        vals, ids = logits.sort(dim=-1, descending=True)
+        vals, ids = vals[..., : r.top_k], ids[..., : r.top_k]
         weights = vals.softmax(-1)
         if r.scale not in (0.0, 1.0):
             weights = weights * r.scale
-        return ids.to(torch.int32), weights
+        return ids.to(torch.int32).contiguous(), weights.contiguous()
     if r.func == "softmax":
         probs = logits.softmax(-1)
     elif r.func == "sigmoid":

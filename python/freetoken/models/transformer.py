@@ -322,7 +322,10 @@ class Transformer:
     def new_cache(self, n_ctx: int) -> KVCache:
         """An empty KV cache for one sequence of up to ``n_ctx`` tokens, on the model's
         device."""
-        return KVCache(self.cfg.n_layers, n_ctx, *self._kv_shape(), device=self.device)
+        dev = self.device
+        return KVCache(
+            self.cfg.n_layers, n_ctx, *self._kv_shape(), device=dev, v_transposed=dev.type == "cuda"
+        )
 
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Runs ``tokens`` after the cache's positions; returns float32 logits for the last
