@@ -25,10 +25,8 @@ torch = pytest.importorskip("torch")
 from freetoken.engine import gpu  # noqa: E402
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.engine.sampler import SamplingParams  # noqa: E402
-from freetoken.errors import FileAccessError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
-from freetoken.testmodel import make_test_model  # noqa: E402
-from freetoken.testmodel.vocab import llama_tree  # noqa: E402
+from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 
 pytestmark = [
@@ -77,18 +75,8 @@ STRATEGIES = [("gpu", "quant"), ("offload", "quant")]
 
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    try:
-        vocab = llama_tree() / "models" / "ggml-vocab-llama-spm.gguf"
-    except FileAccessError as e:
-        pytest.skip(str(e))
     out = tmp_path_factory.mktemp("gpu-moe")
-    files = {}
-    for name, args in MODELS.items():
-        args = {**_BASE, **args}
-        arch = args.pop("arch")
-        files[name] = make_test_model(
-            arch, vocab=vocab, out=out / f"{name}.gguf", log=lambda _: None, **args
-        )
+    files = build_models(MODELS, _BASE, out)
     from test_moe_families_b import build
 
     for name in FAMILY_B:

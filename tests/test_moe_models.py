@@ -27,6 +27,7 @@ from freetoken.llm import LLM
 from freetoken.testmodel import make_test_model
 from freetoken.testmodel.vocab import llama_tree
 from moe_reference import MoeReference
+from synthetic import build_models
 from teacher_forced import compare
 
 PROMPTS = [
@@ -91,17 +92,8 @@ MIXED_EXPERT_TYPES = [
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every model of :data:`MODELS`, on the llama-spm vocabulary."""
-    try:
-        vocab = llama_tree() / "models" / "ggml-vocab-llama-spm.gguf"
-    except FileAccessError as e:
-        pytest.skip(str(e))
-    out = tmp_path_factory.mktemp("moe")
-    files = {}
-    for name, (args, _) in MODELS.items():
-        args = {**_BASE, **args}
-        arch = args.pop("arch")
-        files[name] = make_test_model(arch, vocab=vocab, out=out / f"{name}.gguf", **args)
-    return files
+    specs = {name: args for name, (args, _) in MODELS.items()}
+    return build_models(specs, _BASE, tmp_path_factory.mktemp("moe"))
 
 
 @dataclass

@@ -27,16 +27,11 @@ def _peak_rss_mib() -> float:
 def run_bench(args: argparse.Namespace) -> int:
     """Measures and prints the table (md) or one JSON object (json)."""
     from freetoken import _core
-    from freetoken.llm import LLM
 
     if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
         raise InvalidInputError("-r must be at least 1 and -p, -n non-negative")
-    llm = LLM(
-        args.model,
-        n_ctx=max(args.n_prompt + args.n_gen + 1, 16),
-        n_threads=args.threads,
-        progress=args.output == "md",
-        engine=engine_options.from_args(args),
+    llm = engine_options.load_llm(
+        args, n_ctx=max(args.n_prompt + args.n_gen + 1, 16), progress=args.output == "md"
     )
     rng = random.Random(1234)
     vocab = llm.vocab_size

@@ -48,16 +48,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _load(args: argparse.Namespace) -> object:
-    from freetoken.llm import LLM
-
-    return LLM(
-        args.model,
-        n_ctx=args.ctx_size,
-        n_threads=args.threads,
-        verbose=args.verbose,
-        progress=True,
-        engine=engine_options.from_args(args),
-    )
+    return engine_options.load_llm(args, verbose=args.verbose)
 
 
 def _print_stats(llm: object) -> None:

@@ -55,21 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs each prompt greedily and writes the profile."""
-    from freetoken.llm import LLM
-
     try:
         prompts = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
     except OSError as e:
         raise InvalidInputError(f"cannot read --prompts {args.prompts}: {e.strerror}") from None
     if not prompts:
         raise InvalidInputError(f"{args.prompts} holds no prompts")
-    llm = LLM(
-        args.model,
-        n_ctx=args.ctx_size,
-        n_threads=args.threads,
-        progress=True,
-        engine=engine_options.from_args(args),
-    )
+    llm = engine_options.load_llm(args)
     expert_profile(llm)  # fails early on a dense model
     for prompt in prompts:
         for _ in llm.generate(prompt, max_tokens=args.n_predict, stream=True, temperature=0):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from freetoken.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from freetoken.engine.placement import Placement
+    from freetoken.llm import LLM
     from freetoken.models.transformer import Transformer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "add_arguments",
     "apply",
     "from_args",
+    "load_llm",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -99,6 +101,17 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_profile=args.moe_cache_profile,
         moe_cpu_threads=args.moe_cpu_threads,
     )
+
+
+def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """The model of the common flags (``-m``, ``-c``, ``-t`` and the engine flags), loaded
+    with a progress bar; ``overrides`` replace LLM arguments (``n_ctx``, ``verbose``...)."""
+    from freetoken.llm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        n_ctx=args.ctx_size, n_threads=args.threads, progress=True, engine=from_args(args)
+    )
+    return LLM(args.model, **(kwargs | overrides))
 
 
 def use_gpu(opts: EngineOptions) -> bool:

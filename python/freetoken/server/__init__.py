@@ -120,7 +120,6 @@ def build_state(
 def run(args: argparse.Namespace) -> int:
     """Runs the server until interrupted; returns the exit status."""
     from freetoken.errors import InvalidInputError
-    from freetoken.llm import LLM
     from freetoken.server.app import create_app, serve
 
     if args.parallel < 1:
@@ -131,13 +130,7 @@ def run(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    llm = LLM(
-        args.model,
-        n_ctx=args.ctx_size,
-        n_threads=args.threads,
-        progress=True,
-        engine=engine_options.from_args(args),
-    )
+    llm = engine_options.load_llm(args)
     state = build_state(
         llm,
         alias=args.alias,
