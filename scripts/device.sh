@@ -119,7 +119,7 @@ run_tests() {
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
     python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$OUT/test-junit.xml" \
-        tests/test_gpu*.py 2>&1 | tee "$OUT/test.log"
+        tests/test_gpu*.py tests/test_bench_bw.py 2>&1 | tee "$OUT/test.log"
 }
 
 bench() {

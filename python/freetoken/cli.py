@@ -152,6 +152,12 @@ def _build_parser() -> argparse.ArgumentParser:
     profile.add_arguments(prof)
     prof.set_defaults(func=profile.run)
 
+    from freetoken import bandwidth
+
+    bw = sub.add_parser("bench-bw", help="CPU, PCIe and GPU expert bandwidths per layer kind")
+    bandwidth.add_arguments(bw)
+    bw.set_defaults(func=bandwidth.run)
+
     from freetoken import testmodel
 
     mk = sub.add_parser("make-test-model", help="write a synthetic GGUF model")
