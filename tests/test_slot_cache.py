@@ -30,24 +30,35 @@ MAX_BLOCKS = 2**31 - 1
 TAIL_BOUND = 3 * 512 * 4
 
 
+Key = tuple[int, int]
+
+
 class RefLRU:
     """The rule, literally: distinct experts in order of first appearance; hits become most
     recently used first; each miss takes the lowest free slot, else the least recently used
-    slot that this call does not name."""
+    slot that this call does not name. ``admit`` takes the given misses in order, each into
+    the lowest free slot, else over the least recently used resident that no layer's latest
+    lookup or place named and that this admit did not upload; it stops when none is left."""
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
-        self.order: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU first
+        self.order: OrderedDict[Key, int] = OrderedDict()  # LRU first
         self.free = list(range(n_slots))
         self.stats: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        self.latest: dict[int, set[Key]] = {}  # layer -> keys of its latest place/lookup
+        self.layers: set[int] = set()  # every layer any call has named
 
-    def _fill(self, key: tuple[int, int], protected: set[tuple[int, int]]) -> Upload:
+    def _victim(self, protected: set[Key]) -> Key | None:
+        return next((k for k in self.order if k not in protected), None)
+
+    def _fill(self, key: Key, protected: set[Key]) -> Upload:
         evicted = None
         if self.free:
             slot = min(self.free)
             self.free.remove(slot)
         else:
-            victim = next(k for k in self.order if k not in protected)
+            victim = self._victim(protected)
+            assert victim is not None
             slot = self.order.pop(victim)
             self.stats[victim[0]][4] += 1
             evicted = victim
@@ -55,11 +66,23 @@ class RefLRU:
         self.stats[key[0]][3] += 1
         return Upload(key[0], key[1], slot, evicted)
 
-    def place(self, layer: int, ids: np.ndarray) -> tuple[list[int], list[Upload]]:
+    def _count(self, layer: int, keys: list[Key], n_tokens: int) -> None:
+        """A call's routes, for the policies that count them."""
+
+    def _begin(self, layer: int, ids: np.ndarray) -> tuple[list[Key], list[Key]]:
+        self.layers.add(layer)
         keys = [(layer, int(e)) for e in ids.ravel()]
-        distinct = list(dict.fromkeys(keys))
+        return keys, list(dict.fromkeys(keys))
+
+    def _named(self, layer: int, keys: list[Key], distinct: list[Key], n_tokens: int) -> None:
+        self.latest[layer] = set(distinct)
+        self._count(layer, keys, n_tokens)
+
+    def place(self, layer: int, ids: np.ndarray) -> tuple[list[int], list[Upload]]:
+        keys, distinct = self._begin(layer, ids)
         if len(distinct) > self.n_slots:
             raise ShapeError("too many")
+        self._named(layer, keys, distinct, ids.shape[0])
         hits = [k for k in distinct if k in self.order]
         for k in hits:
             self.order.move_to_end(k)
@@ -71,8 +94,8 @@ class RefLRU:
         return [self.order[k] for k in keys], ups
 
     def lookup(self, layer: int, ids: np.ndarray) -> tuple[list[int], int]:
-        keys = [(layer, int(e)) for e in ids.ravel()]
-        distinct = list(dict.fromkeys(keys))
+        keys, distinct = self._begin(layer, ids)
+        self._named(layer, keys, distinct, ids.shape[0])
         hits = [k for k in distinct if k in self.order]
         for k in hits:
             self.order.move_to_end(k)
@@ -84,11 +107,35 @@ class RefLRU:
         return slots, sum(x >= 0 for x in slots)
 
     def insert(self, layer: int, expert: int) -> Upload | None:
+        self.layers.add(layer)
         key = (layer, expert)
         if key in self.order:
             self.order.move_to_end(key)
             return None
         return self._fill(key, set())
+
+    def _candidates(self, keys: list[Key]) -> list[Key]:
+        return keys
+
+    def _admits(self, key: Key, victim: Key) -> bool:
+        return True
+
+    def admit(self, layer: int, experts: list[int], cap: int) -> list[Upload]:
+        self.layers.add(layer)
+        cand = [k for k in dict.fromkeys((layer, e) for e in experts) if k not in self.order]
+        ups: list[Upload] = []
+        admitted: set[Key] = set()
+        for key in self._candidates(cand):
+            if len(ups) >= cap:
+                break
+            protected = admitted.union(*self.latest.values())
+            if not self.free:
+                victim = self._victim(protected)
+                if victim is None or not self._admits(key, victim):
+                    break
+            ups.append(self._fill(key, protected))
+            admitted.add(key)
+        return ups
 
     def residents(self) -> list[tuple[int, int] | None]:
         out: list[tuple[int, int] | None] = [None] * self.n_slots
@@ -98,6 +145,36 @@ class RefLRU:
 
     def recency(self) -> list[int]:
         return list(self.order.values())
+
+
+class RefAdaptive(RefLRU):
+    """The adaptive rule, written from its description: a route at time t (tokens; a call of
+    one of the pool's L layers lasts its tokens / L) adds 2^(t / half_life); the victim is the
+    resident with the lowest sum, ties to the least recently used; ``admit`` takes the highest
+    sums first, each only over a victim it beats by more than ``margin`` routes (2^(now /
+    half_life) each)."""
+
+    def __init__(self, n_slots: int, half_life: float, margin: float) -> None:
+        super().__init__(n_slots)
+        self.half_life, self.margin = half_life, margin
+        self.log2_unit = 0.0
+        self.score: dict[Key, float] = defaultdict(float)
+
+    def _count(self, layer: int, keys: list[Key], n_tokens: int) -> None:
+        self.log2_unit += n_tokens / len(self.layers) * (1.0 / self.half_life)
+        for k in keys:
+            self.score[k] += 2.0**self.log2_unit
+
+    def _victim(self, protected: set[Key]) -> Key | None:
+        rank = {k: i for i, k in enumerate(self.order)}  # recency: LRU first
+        open_ = [k for k in self.order if k not in protected]
+        return min(open_, key=lambda k: (self.score[k], rank[k]), default=None)
+
+    def _candidates(self, keys: list[Key]) -> list[Key]:
+        return sorted(keys, key=lambda k: -self.score[k])
+
+    def _admits(self, key: Key, victim: Key) -> bool:
+        return self.score[key] > self.score[victim] + self.margin * 2.0**self.log2_unit
 
 
 def routes(rng: np.random.Generator, n_tokens: int, top_k: int, n_experts: int) -> np.ndarray:
@@ -154,6 +231,126 @@ def test_random_calls_match_the_reference_lru(seed: int) -> None:
             assert cache.insert(layer, e) == ref.insert(layer, e)
         same_state(cache, ref)
     assert refused < 300
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_hybrid_steps_match_the_reference(policy: str, seed: int) -> None:
+    """lookup then admit (and place, insert) against the reference of each policy."""
+    rng = np.random.default_rng(100 + seed)
+    n_slots = int(rng.integers(3, 20))
+    n_experts = int(rng.integers(8, 40))
+    if policy == "lru":
+        cache, ref = SlotCache(n_slots, n_experts), RefLRU(n_slots)
+    else:
+        half_life, margin = float(rng.choice([2.0, 8.0, 50.0])), float(rng.choice([0.0, 1.5]))
+        cache = SlotCache(n_slots, n_experts, "adaptive", half_life=half_life, margin=margin)
+        ref = RefAdaptive(n_slots, half_life, margin)
+    evictions = 0
+    for _ in range(400):
+        layer = int(rng.integers(0, 3))
+        top_k = int(rng.integers(1, min(n_slots, n_experts, 6) + 1))
+        ids = routes(rng, int(rng.integers(1, 3)), top_k, n_experts)
+        op = rng.random()
+        if op < 0.7:
+            slots, hits = cache.lookup(layer, ids)
+            assert (slots.ravel().tolist(), hits) == ref.lookup(layer, ids)
+            missed = ids[slots < 0].tolist()
+            # Sometimes an expert of another layer's step or a resident, and repeats.
+            missed += [int(rng.integers(0, n_experts)) for _ in range(int(rng.integers(0, 3)))]
+            cap = int(rng.integers(0, 5))
+            ups = cache.admit(layer, missed, cap)
+            assert ups == ref.admit(layer, missed, cap)
+            evictions += sum(u.evicted is not None for u in ups)
+        elif op < 0.9:
+            if len(set(ids.ravel().tolist())) > n_slots:
+                continue
+            slots, ups = cache.place(layer, ids)
+            want = ref.place(layer, ids)
+            assert (slots.ravel().tolist(), ups) == want
+        else:
+            e = int(rng.integers(0, n_experts))
+            assert cache.insert(layer, e) == ref.insert(layer, e)
+        same_state(cache, ref)
+    assert evictions > 0
+
+
+def test_policy_options_are_checked() -> None:
+    assert SlotCache(4, 8).policy == "lru" and SlotCache(4, 8).policy_params is None
+    c = SlotCache(4, 8, "adaptive", half_life=32, margin=0)
+    assert (c.policy, c.policy_params) == ("adaptive", (32.0, 0.0))
+    assert SlotCache(4, 8, "adaptive").policy_params is not None
+    assert SlotCache(4, 8).scores(0) is None and SlotCache(4, 8).score(0, 1) is None
+    bad: list[dict[str, Any]] = [
+        {"policy": "lfu"},
+        {"policy": "lru", "half_life": 10.0},
+        {"policy": "lru", "margin": 1.0},
+        {"policy": "adaptive", "half_life": 0.0},
+        {"policy": "adaptive", "half_life": -5.0},
+        {"policy": "adaptive", "half_life": math.nan},
+        {"policy": "adaptive", "half_life": math.inf},
+        {"policy": "adaptive", "margin": -1.0},
+        {"policy": "adaptive", "margin": "1"},
+        {"policy": "adaptive", "half_life": True},
+    ]
+    for kw in bad:
+        with pytest.raises(InvalidInputError):
+            SlotCache(4, 8, **kw)
+
+
+def test_scores_halve_every_half_life_of_tokens() -> None:
+    # Two layers share the pool: a token is one call of each, so 8 calls are 4 tokens.
+    c = SlotCache(4, 8, "adaptive", half_life=4)
+    one = np.array([[3, 5]], np.int32)
+    c.lookup(0, np.array([[3, 4]], np.int32))  # layer 1 unseen yet: a call is a token
+    c.lookup(1, np.array([[0, 1], [0, 2]], np.int32))  # two tokens: one route each of 1, 2
+    for _ in range(4):
+        c.lookup(1, np.array([[6, 7]], np.int32))
+        c.lookup(0, np.array([[6, 7]], np.int32))
+    # Since the first call: 2 / 2 + 4 tokens = 5 tokens: 2^-5/4. Since the second, 4 tokens.
+    assert c.score(0, 3) == pytest.approx(2 ** (-5 / 4), rel=1e-12)
+    assert c.score(1, 0) == pytest.approx(2 * 2**-1, rel=1e-12)
+    s = c.scores(1)
+    assert s is not None and s.shape == (8,)
+    assert s[1] == pytest.approx(0.5, rel=1e-12) and s[3] == 0.0
+    assert c.scores(9) is not None and not c.scores(9).any()  # type: ignore[union-attr]
+    del one
+
+
+def test_seed_rates_start_the_scores() -> None:
+    c = SlotCache(4, 8, "adaptive", half_life=8)
+    with pytest.raises(ShapeError):
+        c.seed([(0, 1), (0, 2)], rates=[1.0])
+    for bad in ([-0.5, 1.0], [math.nan, 1.0], ["x", 1.0]):
+        with pytest.raises(InvalidInputError):
+            c.seed([(0, 1), (0, 2)], rates=bad)
+    assert c.residents() == [None] * 4
+    c.seed([(0, 1), (0, 2)], rates=[0.25, 0])
+    # Routed 0.25 a token at every past token, each route halving over 8 tokens.
+    forever = sum(0.25 * 2 ** (-j / 8) for j in range(4000))
+    assert c.score(0, 1) == pytest.approx(forever, rel=1e-12)
+    assert c.score(0, 2) == 0.0
+    lru = SlotCache(4, 8)
+    lru.seed([(0, 1)], rates=[0.25])  # ignored
+    assert lru.residents()[0] == (0, 1)
+
+
+def test_admit_arguments_are_checked() -> None:
+    c = SlotCache(4, 8, "adaptive")
+    c.lookup(0, np.array([[1, 2]], np.int32))
+    before = c.residents()
+    with pytest.raises(InvalidInputError):
+        c.admit(0, [1, 8])  # out of range: nothing admitted
+    with pytest.raises(InvalidInputError):
+        c.admit(0, [1, -1])
+    with pytest.raises(InvalidInputError):
+        c.admit(0, np.array([1.0, 2.0]))
+    with pytest.raises(InvalidInputError):
+        c.admit(0, [1], max_uploads=-1)
+    assert c.residents() == before
+    ups = c.admit(0, np.array([[2, 1]], np.int32), max_uploads=None)
+    assert [(u.expert, u.slot, u.evicted) for u in ups] == [(2, 0, None), (1, 1, None)]
+    assert c.admit(0, []) == []
 
 
 def test_a_call_never_evicts_what_it_names() -> None:

@@ -5,6 +5,7 @@ pub mod cache_plan;
 pub mod counters;
 pub mod experts;
 pub mod gguf;
+pub mod slot_policy;
 pub mod slots;
 
 pub use freetoken_ggml::{Error, GgmlType, Result};

@@ -1,6 +1,19 @@
 //! The GPU expert slot cache's bookkeeping for one slot pool: which (layer, expert) sits in
-//! which slot, least-recently-used eviction, and the uploads a call needs. Nothing here touches
-//! a GPU; the engine performs the uploads this module asks for.
+//! which slot, which resident to evict (least recently used, or the adaptive policy of
+//! [`crate::slot_policy`], chosen at construction), and the uploads a call needs. Nothing here
+//! touches a GPU; the engine performs the uploads this module asks for.
+//!
+//! Two ways to use a pool:
+//! - `offload`: [`SlotCache::place`] gives every expert of a call a slot, uploading the misses
+//!   on the critical path.
+//! - `hybrid`: [`SlotCache::lookup`] says which routes hit (the GPU runs them; the CPU the
+//!   misses); then, off the critical path, [`SlotCache::admit`] picks which missed experts to
+//!   upload and which residents they replace. It never evicts an expert that the latest
+//!   `lookup` or `place` of any layer of the pool named (the current step, which may still be
+//!   running). Under [`Policy::Lru`] every miss is admitted (up to the caller's cap), evicting
+//!   the least recently used; under [`Policy::Adaptive`] only misses whose aged route count
+//!   beats the coldest resident's. Both `lookup` and `place` count every route for the
+//!   adaptive scores, hits and misses alike.
 //!
 //! Data structures, and why:
 //! - Expert ids are small dense integers, so each layer the pool has seen gets a dense row of
@@ -10,6 +23,11 @@
 //!   touching a slot and evicting the least recently used one are O(1), with no heap or scan.
 //! - Each call removes duplicate experts with a generation stamp per expert instead of
 //!   clearing a set, so a call costs O(routes) to check and O(distinct experts) to place.
+//!   A second stamp per expert and one per layer (`mark`, `last_call`) remember what each
+//!   layer's latest successful call named: what `admit` must not evict.
+//! - The adaptive policy adds a score per expert and a min-heap over the slots
+//!   ([`crate::slot_policy`]): a hit or an upload costs O(log n_slots) more, and finding the
+//!   coldest resident O(1) (more only when protected residents are the coldest).
 //!
 //! Order within one call (the reference the tests check against): the call's distinct experts
 //! are taken in order of first appearance; hits are touched first, in that order; then each
@@ -18,8 +36,11 @@
 //! placed miss is at the recent end, the least recently used slot is never one this call named
 //! while the call has at most `n_slots` distinct experts (checked first): a slot is never given
 //! to two experts in one call, and a token (whose top-k ids are distinct, also checked) never
-//! names one slot twice, the guard ggml-cuda's MMQ needs (llama.cpp #24591).
+//! names one slot twice, the guard ggml-cuda's MMQ needs (llama.cpp #24591). Under the
+//! adaptive policy a miss takes the lowest free slot, else the slot with the lowest score
+//! (ties: least recently used) among those the call does not name: the same guarantees.
 
+use crate::slot_policy::{Policy, Scores, SlotHeap};
 use crate::{Error, Result};
 use std::collections::HashMap;
 
@@ -67,11 +88,40 @@ pub struct SlotCache {
     filled: usize, // slots 0..filled have held an expert; filled.. are free
     stamp: u32,
     distinct: Vec<u32>, // scratch: this call's distinct keys, in order of first appearance
+    mark: Vec<u32>,     // key -> stamp of the last successful place/lookup naming it
+    last_call: Vec<u32>, // row -> stamp of its last successful place/lookup, 0 for none
+    policy: Policy,
+    adaptive: Option<Adaptive>,
+}
+
+/// The adaptive policy's state.
+#[derive(Debug, Clone)]
+struct Adaptive {
+    scores: Scores, // per key
+    heap: SlotHeap, // occupied slots by (score, last use)
+    clock: u64,     // last-use ticks
+    margin: f64,    // routes
+}
+
+/// Which residents an eviction must spare.
+#[derive(Clone, Copy)]
+enum Protect<'a> {
+    Nothing,
+    /// Those the call with this stamp names.
+    Call(u32),
+    /// Those the latest call of their layer names, and these keys.
+    Steps(&'a [u32]),
 }
 
 impl SlotCache {
-    /// An empty pool of `n_slots` slots for layers of `n_experts` experts each.
+    /// An empty LRU pool of `n_slots` slots for layers of `n_experts` experts each.
     pub fn new(n_slots: usize, n_experts: usize) -> Result<SlotCache> {
+        SlotCache::with_policy(n_slots, n_experts, Policy::Lru)
+    }
+
+    /// An empty pool with the replacement policy `policy`.
+    pub fn with_policy(n_slots: usize, n_experts: usize, policy: Policy) -> Result<SlotCache> {
+        policy.check()?;
         // Slots travel as i32 (ggml's ids); keys as u32 with u32::MAX reserved.
         if n_slots == 0 || n_slots > i32::MAX as usize {
             return Err(Error::InvalidInput(format!(
@@ -99,7 +149,24 @@ impl SlotCache {
             filled: 0,
             stamp: 0,
             distinct: Vec::new(),
+            mark: Vec::new(),
+            last_call: Vec::new(),
+            policy,
+            adaptive: match policy {
+                Policy::Lru => None,
+                Policy::Adaptive { half_life, margin } => Some(Adaptive {
+                    scores: Scores::new(half_life),
+                    heap: SlotHeap::new(n_slots),
+                    clock: 0,
+                    margin,
+                }),
+            },
         })
+    }
+
+    /// The replacement policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
     }
 
     /// Slots in the pool.
@@ -136,18 +203,22 @@ impl SlotCache {
                 self.n_slots
             )));
         }
+        self.end_call(row, ids, n_used, &distinct);
         let mut hits = 0;
         for &key in &distinct {
             let slot = self.slot_of[key as usize];
             if slot != NONE {
-                self.touch(slot);
+                self.use_slot(slot);
                 hits += 1;
             }
         }
         let mut uploads = Vec::with_capacity(distinct.len() - hits);
+        let protect = Protect::Call(self.stamp);
         for &key in &distinct {
             if self.slot_of[key as usize] == NONE {
-                uploads.push(self.fill(key));
+                // At most n_slots distinct experts: a slot this call does not name is left.
+                let up = self.fill(key, protect).expect("an unnamed slot is left");
+                uploads.push(up);
             }
         }
         self.distinct = distinct;
@@ -175,11 +246,12 @@ impl SlotCache {
     ) -> Result<usize> {
         let row = self.begin_call(layer, ids, n_used, slots_out.len())?;
         let distinct = std::mem::take(&mut self.distinct);
+        self.end_call(row, ids, n_used, &distinct);
         let mut hits = 0u64;
         for &key in &distinct {
             let slot = self.slot_of[key as usize];
             if slot != NONE {
-                self.touch(slot);
+                self.use_slot(slot);
                 hits += 1;
             }
         }
@@ -202,19 +274,106 @@ impl SlotCache {
         Ok(route_hits)
     }
 
-    /// Makes `expert` of `layer` resident (adaptive fill): None when it already is (it is then
-    /// touched), else the upload to perform. Nothing is protected from eviction here: the
-    /// caller must not insert while a computation still reads the slot this may evict.
+    /// Makes `expert` of `layer` resident: None when it already is (it is then touched), else
+    /// the upload to perform, evicting by the policy (the least recently used slot, or the
+    /// lowest score) with no admission test. Nothing is protected from eviction here: the
+    /// caller must not insert while a computation still reads the slot this may evict
+    /// ([`SlotCache::admit`] protects the current step).
     pub fn insert(&mut self, layer: usize, expert: usize) -> Result<Option<Upload>> {
         self.check_expert(layer, expert)?;
         let row = self.row(layer)?;
         let key = (row * self.n_experts + expert) as u32;
         let slot = self.slot_of[key as usize];
         if slot != NONE {
-            self.touch(slot);
+            self.use_slot(slot);
             return Ok(None);
         }
-        Ok(Some(self.fill(key)))
+        Ok(self.fill(key, Protect::Nothing))
+    }
+
+    /// Hybrid fill, after a step's [`SlotCache::lookup`] of `layer`: which of `experts` (its
+    /// misses; residents and repeats are skipped) to upload, at most `max_uploads`, and into
+    /// which slots. A free slot (the lowest) is always taken. Once the pool is full:
+    /// - [`Policy::Lru`]: each expert in the order given replaces the least recently used
+    ///   resident;
+    /// - [`Policy::Adaptive`]: the experts with the highest scores first, each replacing the
+    ///   resident with the lowest score (ties: least recently used) if its own score is
+    ///   higher by more than the margin; the others are refused.
+    ///
+    /// Never evicted: an expert that the latest `lookup` or `place` of its layer named, or
+    /// that this call uploads. An error, with nothing changed, for an expert out of range.
+    pub fn admit(
+        &mut self,
+        layer: usize,
+        experts: &[usize],
+        max_uploads: usize,
+    ) -> Result<Vec<Upload>> {
+        for &e in experts {
+            self.check_expert(layer, e)?;
+        }
+        let row = self.row(layer)?;
+        let base = row * self.n_experts;
+        let mut cand: Vec<u32> = Vec::with_capacity(experts.len());
+        for &e in experts {
+            let key = (base + e) as u32;
+            if self.slot_of[key as usize] == NONE && !cand.contains(&key) {
+                cand.push(key);
+            }
+        }
+        if let Some(a) = &self.adaptive {
+            // Stable: equal scores keep the caller's order.
+            cand.sort_by(|&x, &y| {
+                let (x, y) = (a.scores.stored(x as usize), a.scores.stored(y as usize));
+                y.total_cmp(&x)
+            });
+        }
+        let mut admitted: Vec<u32> = Vec::with_capacity(cand.len().min(max_uploads));
+        let mut uploads = Vec::with_capacity(admitted.capacity());
+        for key in cand {
+            if uploads.len() >= max_uploads {
+                break;
+            }
+            let up = if self.filled < self.n_slots {
+                self.put(key, self.filled as u32, None)
+            } else {
+                let Some(victim) = self.victim(Protect::Steps(&admitted)) else {
+                    break;
+                };
+                if let Some(a) = &self.adaptive {
+                    let old = self.owner[victim as usize] as usize;
+                    let need = a.scores.stored(old) + a.scores.routes(a.margin);
+                    if a.scores.stored(key as usize) <= need {
+                        break; // sorted: no later candidate beats this victim either
+                    }
+                }
+                let evicted = self.evict(victim);
+                self.put(key, victim, Some(evicted))
+            };
+            admitted.push(key);
+            uploads.push(up);
+        }
+        Ok(uploads)
+    }
+
+    /// The adaptive policy's aged route count of `expert` of `layer` (zero for a layer never
+    /// seen); None under LRU or for an expert out of range.
+    pub fn score(&self, layer: usize, expert: usize) -> Option<f64> {
+        let a = self.adaptive.as_ref()?;
+        if expert >= self.n_experts {
+            return None;
+        }
+        Some(
+            self.rows
+                .get(&layer)
+                .map_or(0.0, |&r| a.scores.count(r * self.n_experts + expert)),
+        )
+    }
+
+    /// [`SlotCache::score`] of every expert of `layer`; None under LRU.
+    pub fn scores(&self, layer: usize) -> Option<Vec<f64>> {
+        (0..self.n_experts)
+            .map(|e| self.score(layer, e))
+            .collect::<Option<Vec<f64>>>()
     }
 
     /// Fills an empty pool from a profile: `residents[i]` goes to slot `i`, `residents[0]`
@@ -222,6 +381,35 @@ impl SlotCache {
     /// the uploads. An error, with nothing changed, on a non-empty pool, too many residents,
     /// an expert out of range or listed twice.
     pub fn seed(&mut self, residents: &[(usize, usize)]) -> Result<Vec<Upload>> {
+        self.seed_with_rates(residents, None)
+    }
+
+    /// [`SlotCache::seed`], and under the adaptive policy each resident's score starts at
+    /// the aged count of an expert routed `rates[i]` times per token for ever (from the
+    /// profile: its routes over the profiled tokens), so that the profile's experts are not
+    /// replaced by the first misses before their own routes have been counted. Without
+    /// rates (or under LRU) scores are left as they are (zero on a new pool). An error, too,
+    /// when `rates` is not one finite non-negative number per resident.
+    pub fn seed_with_rates(
+        &mut self,
+        residents: &[(usize, usize)],
+        rates: Option<&[f64]>,
+    ) -> Result<Vec<Upload>> {
+        if let Some(r) = rates {
+            if r.len() != residents.len() {
+                return Err(Error::Shape(format!(
+                    "{} rates for {} residents",
+                    r.len(),
+                    residents.len()
+                )));
+            }
+            if let Some(bad) = r.iter().find(|x| !(x.is_finite() && **x >= 0.0)) {
+                return Err(Error::InvalidInput(format!(
+                    "a resident's rate must be a non-negative number of routes per token, not \
+                     {bad}"
+                )));
+            }
+        }
         if self.filled != 0 {
             return Err(Error::InvalidInput(
                 "seed needs an empty slot pool; clear() it first".into(),
@@ -262,9 +450,15 @@ impl SlotCache {
                 evicted: None,
             });
         }
+        if let (Some(a), Some(rates)) = (&mut self.adaptive, rates) {
+            for (&key, &rate) in keys.iter().zip(rates) {
+                a.scores.set_steady(key as usize, rate);
+            }
+        }
         // Pushed coldest first, so residents[0] ends most recently used.
         for slot in (0..keys.len()).rev() {
             self.push_mru(slot as u32);
+            self.heap_use(slot as u32);
         }
         self.filled = keys.len();
         Ok(uploads)
@@ -364,6 +558,9 @@ impl SlotCache {
         self.prev.fill(NONE);
         self.next.fill(NONE);
         (self.lru, self.mru, self.filled) = (NONE, NONE, 0);
+        if let Some(a) = &mut self.adaptive {
+            a.heap.clear();
+        }
     }
 
     fn layer_expert(&self, key: u32) -> (usize, usize) {
@@ -390,6 +587,11 @@ impl SlotCache {
         self.stats.push(SlotStats::default());
         self.slot_of.resize(end, NONE);
         self.seen.resize(end, 0);
+        self.mark.resize(end, 0);
+        self.last_call.push(0);
+        if let Some(a) = &mut self.adaptive {
+            a.scores.resize(end);
+        }
         Ok(r)
     }
 
@@ -471,27 +673,99 @@ impl SlotCache {
         if self.stamp == 0 {
             // Wrapped after 2^32 calls: old stamps could collide, so forget them.
             self.seen.fill(0);
+            self.mark.fill(0);
+            self.last_call.fill(0);
             self.stamp = 1;
         }
         self.stamp
     }
 
-    /// Puts the miss `key` into the lowest free slot, else the least recently used one.
-    fn fill(&mut self, key: u32) -> Upload {
-        let (slot, evicted) = if self.filled < self.n_slots {
-            self.filled += 1;
-            ((self.filled - 1) as u32, None)
-        } else {
-            let slot = self.lru;
-            self.unlink(slot);
-            let old = self.owner[slot as usize];
-            self.slot_of[old as usize] = NONE;
-            self.stats[old as usize / self.n_experts].evictions += 1;
-            (slot, Some(self.layer_expert(old)))
+    /// After a call's checks passed: records what it names (protection) and, under the
+    /// adaptive policy, moves the clock on by its tokens (a token of every layer of the pool
+    /// is one tick) and counts each route.
+    fn end_call(&mut self, row: usize, ids: &[i32], n_used: usize, distinct: &[u32]) {
+        for &key in distinct {
+            self.mark[key as usize] = self.stamp;
+        }
+        self.last_call[row] = self.stamp;
+        let Some(a) = &mut self.adaptive else {
+            return;
         };
+        let tokens = (ids.len() / n_used) as f64 / self.row_layer.len() as f64;
+        if a.scores.advance(tokens) {
+            let (scores, owner) = (&a.scores, &self.owner);
+            a.heap
+                .rebuild(|slot, old| (scores.stored(owner[slot] as usize), old.1));
+        }
+        let base = row * self.n_experts;
+        for &e in ids {
+            a.scores.add(base + e as usize, 1.0);
+        }
+    }
+
+    /// Whether an eviction under `protect` must spare the expert `key`.
+    fn protected(&self, key: u32, protect: Protect) -> bool {
+        match protect {
+            Protect::Nothing => false,
+            Protect::Call(stamp) => self.seen[key as usize] == stamp,
+            Protect::Steps(extra) => {
+                let last = self.last_call[key as usize / self.n_experts];
+                (last != 0 && self.mark[key as usize] == last) || extra.contains(&key)
+            }
+        }
+    }
+
+    /// The slot to evict: the least recently used, or the lowest (score, last use), that
+    /// `protect` does not spare. Needs a full pool.
+    fn victim(&self, protect: Protect) -> Option<u32> {
+        match &self.adaptive {
+            None => {
+                let mut s = self.lru;
+                while s != NONE && self.protected(self.owner[s as usize], protect) {
+                    s = self.next[s as usize];
+                }
+                (s != NONE).then_some(s)
+            }
+            Some(a) => a
+                .heap
+                .min_where(|s| self.protected(self.owner[s], protect))
+                .map(|s| s as u32),
+        }
+    }
+
+    /// Puts the miss `key` into the lowest free slot, else the victim under `protect`.
+    fn fill(&mut self, key: u32, protect: Protect) -> Option<Upload> {
+        if self.filled < self.n_slots {
+            return Some(self.put(key, self.filled as u32, None));
+        }
+        let slot = self.victim(protect)?;
+        let evicted = self.evict(slot);
+        Some(self.put(key, slot, Some(evicted)))
+    }
+
+    /// Empties the occupied `slot`; returns what it held.
+    fn evict(&mut self, slot: u32) -> (usize, usize) {
+        self.unlink(slot);
+        if let Some(a) = &mut self.adaptive {
+            a.heap.remove(slot as usize);
+        }
+        let old = self.owner[slot as usize];
+        self.slot_of[old as usize] = NONE;
+        self.owner[slot as usize] = NONE;
+        self.stats[old as usize / self.n_experts].evictions += 1;
+        self.layer_expert(old)
+    }
+
+    /// Puts `key` into the empty `slot` (the next free one, or one just evicted) as the most
+    /// recently used.
+    fn put(&mut self, key: u32, slot: u32, evicted: Option<(usize, usize)>) -> Upload {
+        if slot as usize == self.filled {
+            self.filled += 1;
+        }
         self.slot_of[key as usize] = slot;
         self.owner[slot as usize] = key;
         self.push_mru(slot);
+        self.heap_use(slot);
         self.stats[key as usize / self.n_experts].uploads += 1;
         let (layer, expert) = self.layer_expert(key);
         Upload {
@@ -499,6 +773,21 @@ impl SlotCache {
             expert,
             slot: slot as usize,
             evicted,
+        }
+    }
+
+    /// A hit: most recently used, and its heap key refreshed.
+    fn use_slot(&mut self, slot: u32) {
+        self.touch(slot);
+        self.heap_use(slot);
+    }
+
+    /// Under the adaptive policy, (re)keys the occupied `slot` by its score and a new tick.
+    fn heap_use(&mut self, slot: u32) {
+        if let Some(a) = &mut self.adaptive {
+            a.clock += 1;
+            let key = (a.scores.stored(self.owner[slot as usize] as usize), a.clock);
+            a.heap.set(slot as usize, key);
         }
     }
 
@@ -673,6 +962,275 @@ mod tests {
         for _ in 0..4 {
             let (s, _) = place(&mut c, 0, &[1, 2, 1, 2], 2);
             assert_eq!(s, [0, 1, 0, 1]);
+        }
+    }
+
+    // ---- Policies and admit ----
+
+    /// xorshift64*: deterministic and dependency-free.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        /// `k` distinct values from `lo..hi`.
+        fn distinct(&mut self, k: usize, lo: usize, hi: usize, out: &mut Vec<i32>) {
+            while out.len() < k {
+                let e = (lo + self.below(hi - lo)) as i32;
+                if !out.contains(&e) {
+                    out.push(e);
+                }
+            }
+        }
+    }
+
+    fn adaptive(half_life: f64, margin: f64) -> Policy {
+        Policy::Adaptive { half_life, margin }
+    }
+
+    /// One hybrid step of one layer: lookup, then admit every miss. Returns the misses and
+    /// the uploads.
+    fn step(c: &mut SlotCache, layer: usize, ids: &[i32], cap: usize) -> (Vec<usize>, Vec<Upload>) {
+        let mut slots = vec![0; ids.len()];
+        c.lookup(layer, ids, ids.len(), &mut slots).unwrap();
+        let missed: Vec<usize> = ids
+            .iter()
+            .zip(&slots)
+            .filter(|(_, &s)| s < 0)
+            .map(|(&e, _)| e as usize)
+            .collect();
+        let up = c.admit(layer, &missed, cap).unwrap();
+        (missed, up)
+    }
+
+    fn evicted(up: &[Upload]) -> Vec<Option<(usize, usize)>> {
+        up.iter().map(|u| u.evicted).collect()
+    }
+
+    #[test]
+    fn lru_admit_spares_the_current_steps() {
+        let mut c = SlotCache::new(3, 16).unwrap();
+        let (_, up) = step(&mut c, 0, &[0, 1, 2], 8);
+        assert_eq!(up.iter().map(|u| u.slot).collect::<Vec<_>>(), [0, 1, 2]);
+        // 0 hits (touched); 3 evicts 1, the least recently used.
+        let (_, up) = step(&mut c, 0, &[0, 3], 8);
+        assert_eq!(evicted(&up), [Some((0, 1))]);
+        // Layer 0's step names 2 (the least recently used after this), then layer 1's
+        // admits may evict only 0 and 3: its third expert finds nothing unprotected.
+        step(&mut c, 0, &[2, 9], 0);
+        assert_eq!(c.recency(), [0, 1, 2]); // slots: 0 (expert 0), 1 (expert 3), 2 (expert 2)
+        let mut out = [0; 3];
+        c.lookup(1, &[5, 6, 7], 3, &mut out).unwrap();
+        let up = c.admit(1, &[5, 6, 7], 8).unwrap();
+        assert_eq!(evicted(&up), [Some((0, 0)), Some((0, 3))]);
+        assert_eq!(c.residents(), [Some((1, 5)), Some((1, 6)), Some((0, 2))]);
+        // The cap, repeats and residents.
+        c.lookup(1, &[8, 9, 10], 3, &mut out).unwrap();
+        let up = c.admit(1, &[8, 8, 5, 9, 10], 1).unwrap();
+        assert_eq!((up.len(), up[0].expert), (1, 8));
+        assert!(c.admit(1, &[16], 1).is_err());
+        assert_eq!(c.stats(1).uploads, 3);
+    }
+
+    #[test]
+    fn adaptive_admits_on_evidence_only() {
+        // Decay negligible: scores are route counts.
+        let mut c = SlotCache::with_policy(2, 8, adaptive(1e12, 2.0)).unwrap();
+        let (_, up) = step(&mut c, 0, &[0, 1], 8);
+        assert_eq!(up.len(), 2); // free slots: no test
+                                 // Expert 2 must beat expert 1 (one route) by more than two routes: at its fourth.
+        for n in 1..=4 {
+            let (missed, up) = step(&mut c, 0, &[0, 2], 8);
+            assert_eq!(missed, [2]);
+            if n < 4 {
+                assert!(up.is_empty(), "route {n}");
+            } else {
+                assert_eq!(evicted(&up), [Some((0, 1))]);
+            }
+        }
+        for (e, n) in [(0, 5.0), (2, 4.0), (1, 1.0)] {
+            assert!((c.score(0, e).unwrap() - n).abs() < 1e-6, "{e}");
+        }
+        assert_eq!(SlotCache::new(2, 8).unwrap().score(0, 0), None);
+    }
+
+    #[test]
+    fn adaptive_evicts_the_lowest_unprotected_score() {
+        let mut c = SlotCache::with_policy(3, 16, adaptive(1e12, 0.0)).unwrap();
+        c.seed(&[(0, 1), (0, 2), (0, 3)]).unwrap();
+        let mut out = [0; 1];
+        for (e, n) in [(1, 5), (2, 1), (3, 3), (9, 4)] {
+            for _ in 0..n {
+                c.lookup(0, &[e], 1, &mut out).unwrap();
+            }
+        }
+        // Layer 0's current step names 9 only: 2 (one route) goes.
+        let up = c.admit(0, &[9], 1).unwrap();
+        assert_eq!(evicted(&up), [Some((0, 2))]);
+        // Now the step names 9 (resident, 4 routes): expert 10 (5 routes) must take 3.
+        for _ in 0..5 {
+            c.lookup(0, &[10], 1, &mut out).unwrap();
+        }
+        c.lookup(0, &[9], 1, &mut out).unwrap();
+        let up = c.admit(0, &[10], 1).unwrap();
+        assert_eq!(evicted(&up), [Some((0, 3))]);
+        // The step names 3 (4 routes now) and the lowest resident is 9 (5): 3 does not beat it.
+        c.lookup(0, &[3], 1, &mut out).unwrap();
+        assert_eq!(c.admit(0, &[3], 1).unwrap(), []);
+        // Equal scores: the least recently used goes; seed order breaks the first tie.
+        let mut c = SlotCache::with_policy(2, 8, adaptive(64.0, 0.0)).unwrap();
+        c.seed(&[(0, 0), (0, 1)]).unwrap();
+        c.lookup(0, &[5], 1, &mut out).unwrap();
+        assert_eq!(evicted(&c.admit(0, &[5], 1).unwrap()), [Some((0, 1))]);
+    }
+
+    #[test]
+    fn seed_rates_start_the_adaptive_scores() {
+        let mut c = SlotCache::with_policy(3, 8, adaptive(4.0, 2.0)).unwrap();
+        assert!(c.seed_with_rates(&[(0, 1)], Some(&[1.0, 2.0])).is_err());
+        assert!(c.seed_with_rates(&[(0, 1)], Some(&[-1.0])).is_err());
+        assert!(c.seed_with_rates(&[(0, 1)], Some(&[f64::NAN])).is_err());
+        assert_eq!(c.residents(), [None, None, None]);
+        // The rated resident is the least recently used: without its rate it would go first.
+        c.seed_with_rates(&[(2, 3), (0, 1)], Some(&[0.0, 0.5]))
+            .unwrap();
+        // 0.5 routes a token for ever, aged by 2^(-1/4) a token: sum of 0.5 * 2^(-j/4).
+        let want: f64 = (0..2000).map(|j| 0.5 * (-(j as f64) / 4.0).exp2()).sum();
+        assert!((c.score(0, 1).unwrap() - want).abs() < 1e-9);
+        assert_eq!(c.score(2, 3), Some(0.0));
+        // A miss with 3 routes replaces the unrated resident.
+        let mut out = [0; 1];
+        for _ in 0..3 {
+            c.lookup(0, &[6], 1, &mut out).unwrap();
+        }
+        c.admit(0, &[6], 8).unwrap(); // the free slot
+        for _ in 0..3 {
+            c.lookup(0, &[7], 1, &mut out).unwrap();
+        }
+        let up = c.admit(0, &[7], 8).unwrap();
+        assert_eq!(evicted(&up), [Some((2, 3))]);
+        // Rates are ignored under LRU.
+        let mut c = SlotCache::new(2, 8).unwrap();
+        c.seed_with_rates(&[(0, 1)], Some(&[3.0])).unwrap();
+        assert_eq!(c.score(0, 1), None);
+    }
+
+    #[test]
+    fn adaptive_holds_the_hot_set() {
+        // Each token names 3 of the 6 hot experts 0..6 and 3 of the 58 others: 8 slots, so
+        // a frequency policy ends holding 0..6 and LRU does not.
+        let mut rng = Rng(7);
+        let mut run = |policy| {
+            let mut c = SlotCache::with_policy(8, 64, policy).unwrap();
+            let mut hits = 0;
+            for t in 0..3000 {
+                let mut ids = Vec::new();
+                rng.distinct(3, 0, 6, &mut ids);
+                rng.distinct(6, 6, 64, &mut ids);
+                let (missed, _) = step(&mut c, 0, &ids, 8);
+                if t >= 1000 {
+                    hits += 6 - missed.len();
+                }
+            }
+            let mut held: Vec<usize> = c.residents().iter().map(|r| r.unwrap().1).collect();
+            held.sort();
+            (held, hits as f64 / (2000.0 * 6.0))
+        };
+        let (held, ada) = run(Policy::adaptive());
+        assert_eq!(held[..6], [0, 1, 2, 3, 4, 5]);
+        let (held, lru) = run(Policy::Lru);
+        assert_ne!(held[..6], [0, 1, 2, 3, 4, 5]);
+        // The best fixed set (0..6 and two others) hits 3 + 2 * 3 / 58 routes of 6 per token.
+        let best = (3.0 + 6.0 / 58.0) / 6.0;
+        assert!(ada > 0.97 * best && ada > lru + 0.1, "{ada} {lru} {best}");
+    }
+
+    #[test]
+    fn adaptive_victims_are_the_coldest_through_rescaling() {
+        // A half-life of 1 token rescales every 512 tokens; 4 layers share 20 slots. After
+        // every admit, each eviction took the lowest score among the unprotected residents.
+        let mut rng = Rng(11);
+        let mut c = SlotCache::with_policy(20, 32, adaptive(1.0, 0.5)).unwrap();
+        let mut named: Vec<Vec<i32>> = vec![Vec::new(); 4];
+        let mut evictions = 0;
+        for t in 0..6000 {
+            let layer = t % 4;
+            let mut ids = Vec::new();
+            rng.distinct(4, 0, 6 + layer * 6, &mut ids);
+            let mut out = [0; 4];
+            c.lookup(layer, &ids, 4, &mut out).unwrap();
+            named[layer] = ids.clone();
+            let missed: Vec<usize> = (0..4)
+                .filter(|&i| out[i] < 0)
+                .map(|i| ids[i] as usize)
+                .collect();
+            let before: Vec<(usize, usize, f64)> = c
+                .residents()
+                .into_iter()
+                .flatten()
+                .map(|(l, e)| (l, e, c.score(l, e).unwrap()))
+                .collect();
+            let up = c.admit(layer, &missed, 2).unwrap();
+            let mut gone: Vec<(usize, usize)> = Vec::new();
+            for u in &up {
+                assert!(missed.contains(&u.expert));
+                let Some(v) = u.evicted else { continue };
+                evictions += 1;
+                let open = |&&(l, e, _): &&(usize, usize, f64)| {
+                    !named[l].contains(&(e as i32)) && !gone.contains(&(l, e))
+                };
+                let lowest = before
+                    .iter()
+                    .filter(open)
+                    .map(|r| r.2)
+                    .fold(f64::INFINITY, f64::min);
+                let vs = before.iter().find(|r| (r.0, r.1) == v).unwrap();
+                assert!(
+                    open(&vs),
+                    "step {t}: evicted {v:?}, named by a current step"
+                );
+                assert_eq!(vs.2, lowest, "step {t}: evicted {v:?}");
+                let cand = c.score(layer, u.expert).unwrap();
+                assert!(cand > vs.2 + 0.5 * (1.0 - 1e-9), "step {t}");
+                gone.push(v);
+            }
+        }
+        assert!(evictions > 100, "{evictions}");
+    }
+
+    #[test]
+    fn adaptive_place_keeps_the_call_guarantees() {
+        // Offload under the adaptive policy: every expert placed, a token never names one
+        // slot twice, and a call never evicts what it names.
+        let mut rng = Rng(5);
+        let mut c = SlotCache::with_policy(10, 40, adaptive(16.0, 2.0)).unwrap();
+        for t in 0..2000 {
+            let mut ids = Vec::new();
+            for _ in 0..2 {
+                let mut tok = Vec::new();
+                rng.distinct(4, 0, if t % 2 == 0 { 12 } else { 40 }, &mut tok);
+                ids.extend(tok);
+            }
+            let layer = t % 3;
+            let (slots, up) = place(&mut c, layer, &ids, 4);
+            for tok in slots.chunks(4) {
+                assert!(tok.iter().all(|&s| s >= 0));
+                assert!((1..4).all(|i| !tok[..i].contains(&tok[i])));
+            }
+            for u in &up {
+                if let Some((l, e)) = u.evicted {
+                    assert!(l != layer || !ids.contains(&(e as i32)), "step {t}");
+                }
+            }
+            for (&e, &s) in ids.iter().zip(&slots) {
+                assert_eq!(c.slot_of(layer, e as usize), Some(s as usize));
+            }
         }
     }
 }

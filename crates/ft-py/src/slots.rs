@@ -7,6 +7,7 @@ use crate::errors::IntoPy;
 use crate::memory::{slice, slice_mut};
 use freetoken_ggml::{Error, Result};
 use ft_core::cache_plan::{self, LayerSpec, Scope};
+use ft_core::slot_policy::Policy;
 use ft_core::slots::{SlotCache, SlotStats, Upload};
 use pyo3::prelude::*;
 
@@ -49,7 +50,7 @@ unsafe fn routes<'a>(
     Ok((slice(ids, n_ids, "ids")?, slice_mut(out, n_out, "slots")?))
 }
 
-/// LRU bookkeeping of one slot pool.
+/// The bookkeeping of one slot pool, LRU or adaptive.
 #[pyclass(name = "SlotCache")]
 pub struct PySlotCache {
     inner: SlotCache,
@@ -58,10 +59,33 @@ pub struct PySlotCache {
 #[pymethods]
 impl PySlotCache {
     #[new]
-    fn new(n_slots: usize, n_experts: usize) -> PyResult<Self> {
+    #[pyo3(signature = (n_slots, n_experts, policy="lru", half_life=None, margin=None))]
+    fn new(
+        n_slots: usize,
+        n_experts: usize,
+        policy: &str,
+        half_life: Option<f64>,
+        margin: Option<f64>,
+    ) -> PyResult<Self> {
+        let policy = Policy::from_name(policy, half_life, margin).py_err()?;
         Ok(PySlotCache {
-            inner: SlotCache::new(n_slots, n_experts).py_err()?,
+            inner: SlotCache::with_policy(n_slots, n_experts, policy).py_err()?,
         })
+    }
+
+    /// "lru" or "adaptive".
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy().name()
+    }
+
+    /// The adaptive policy's (half_life, margin); None under LRU.
+    #[getter]
+    fn policy_params(&self) -> Option<(f64, f64)> {
+        match self.inner.policy() {
+            Policy::Lru => None,
+            Policy::Adaptive { half_life, margin } => Some((half_life, margin)),
+        }
     }
 
     #[getter]
@@ -109,8 +133,34 @@ impl PySlotCache {
         Ok(self.inner.insert(layer, expert).py_err()?.map(upload))
     }
 
-    fn seed(&mut self, residents: Vec<(usize, usize)>) -> PyResult<Vec<PyUpload>> {
-        let uploads = self.inner.seed(&residents).py_err()?;
+    fn admit(
+        &mut self,
+        layer: usize,
+        experts: Vec<usize>,
+        max_uploads: usize,
+    ) -> PyResult<Vec<PyUpload>> {
+        let uploads = self.inner.admit(layer, &experts, max_uploads).py_err()?;
+        Ok(uploads.into_iter().map(upload).collect())
+    }
+
+    fn score(&self, layer: usize, expert: usize) -> Option<f64> {
+        self.inner.score(layer, expert)
+    }
+
+    fn scores(&self, layer: usize) -> Option<Vec<f64>> {
+        self.inner.scores(layer)
+    }
+
+    #[pyo3(signature = (residents, rates=None))]
+    fn seed(
+        &mut self,
+        residents: Vec<(usize, usize)>,
+        rates: Option<Vec<f64>>,
+    ) -> PyResult<Vec<PyUpload>> {
+        let uploads = self
+            .inner
+            .seed_with_rates(&residents, rates.as_deref())
+            .py_err()?;
         Ok(uploads.into_iter().map(upload).collect())
     }
 

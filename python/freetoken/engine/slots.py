@@ -1,8 +1,9 @@
 """The GPU expert slot cache's bookkeeping and sizing (the Rust core does the work).
 
 A *slot pool* holds expert matrices on the GPU, ``n_slots`` of them per (gate, up, down)
-tensor; :class:`SlotCache` tracks which (layer, expert) sits in which slot, evicts the least
-recently used, and tells the caller what to upload. :func:`plan_pools` decides the pools
+tensor; :class:`SlotCache` tracks which (layer, expert) sits in which slot, chooses what to
+evict (the least recently used, or with ``policy="adaptive"`` the expert with the lowest aged
+route count), and tells the caller what to upload. :func:`plan_pools` decides the pools
 from a byte budget (``--moe-cache-mib``), a scope (``--moe-cache-scope``) and optionally an
 expert-use profile (``--moe-cache-profile``, docs/expert-profile.md)::
 
@@ -12,6 +13,13 @@ expert-use profile (``--moe-cache-profile``, docs/expert-profile.md)::
         cache = SlotCache(pool.n_slots, pool.n_experts)
         uploads = cache.seed(pool.residents)      # copy these experts in, then decode:
     slots, uploads = cache.place(layer, ids)      # ids: int32 (tokens, top_k)
+
+Hybrid decode looks up, runs the hits on the GPU and the misses on the CPU, then (off the
+critical path) asks which misses to upload::
+
+    cache = SlotCache(pool.n_slots, pool.n_experts, policy="adaptive")
+    slots, hits = cache.lookup(layer, ids)
+    uploads = cache.admit(layer, ids[slots < 0], max_uploads=4)
 
 Route ids and slots are int32 numpy arrays of shape ``(tokens, top_k)``, C-contiguous (a 1-D
 array is one token). Within one ``place`` call no slot is given to two experts, so a token
@@ -41,6 +49,7 @@ from freetoken.profile import VERSION as PROFILE_VERSION
 from freetoken.quant import QType, type_info
 
 __all__ = [
+    "POLICIES",
     "CachePlan",
     "LayerSpec",
     "PoolPlan",
@@ -52,6 +61,8 @@ __all__ = [
 ]
 
 SCOPES = ("type", "per-layer")
+#: Replacement policies of :class:`SlotCache` (crates/ft-core/src/slot_policy.rs).
+POLICIES = ("lru", "adaptive")
 
 
 class Upload(NamedTuple):
@@ -107,13 +118,55 @@ def _index(value: int, what: str) -> int:
     return int(value)
 
 
-class SlotCache:
-    """LRU bookkeeping of one slot pool of ``n_slots`` slots, shared by any number of layers
-    of ``n_experts`` experts each. Within a call, hits are touched first, then each miss takes
-    the lowest free slot, else the least recently used slot the call does not name."""
+def _number(value: float | None, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidInputError(f"{what} must be a number, got {type(value).__name__}")
+    return float(value)
 
-    def __init__(self, n_slots: int, n_experts: int) -> None:
-        self._c = _core.SlotCache(_index(n_slots, "n_slots"), _index(n_experts, "n_experts"))
+
+class SlotCache:
+    """The bookkeeping of one slot pool of ``n_slots`` slots, shared by any number of layers
+    of ``n_experts`` experts each.
+
+    ``policy`` picks what is evicted: ``"lru"`` (the least recently used slot) or
+    ``"adaptive"``: every route that :meth:`lookup` or :meth:`place` sees adds one to its
+    expert's score, which halves every ``half_life`` tokens; the resident with the lowest
+    score goes first, and :meth:`admit` uploads a miss into a full pool only when its score
+    beats that resident's by more than ``margin`` routes (defaults 128 tokens and 2 routes;
+    benches/README.md, "Expert cache policy (simulation)", compares the policies). Within a
+    :meth:`place` call, hits are used first, then each miss takes the lowest free slot, else
+    the victim among the slots the call does not name."""
+
+    def __init__(
+        self,
+        n_slots: int,
+        n_experts: int,
+        policy: str = "lru",
+        *,
+        half_life: float | None = None,
+        margin: float | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise InvalidInputError(f"slot cache policy {policy!r} is not one of {POLICIES}")
+        self._c = _core.SlotCache(
+            _index(n_slots, "n_slots"),
+            _index(n_experts, "n_experts"),
+            policy,
+            _number(half_life, "half_life"),
+            _number(margin, "margin"),
+        )
+
+    @property
+    def policy(self) -> str:
+        """``"lru"`` or ``"adaptive"``."""
+        return self._c.policy
+
+    @property
+    def policy_params(self) -> tuple[float, float] | None:
+        """The adaptive policy's ``(half_life, margin)``; None under LRU."""
+        return self._c.policy_params
 
     @property
     def n_slots(self) -> int:
@@ -151,18 +204,50 @@ class SlotCache:
         return o, hits
 
     def insert(self, layer: int, expert: int) -> Upload | None:
-        """Makes one expert resident (adaptive fill): None if it already is (then touched),
-        else the upload, which may evict the least recently used slot: do not insert while a
-        computation still reads that slot."""
+        """Makes one expert resident: None if it already is (then touched), else the upload,
+        which may evict the policy's victim with no admission test and nothing protected: do
+        not insert while a computation still reads that slot (:meth:`admit` protects)."""
         u = self._c.insert(_index(layer, "layer"), _index(expert, "expert"))
         return None if u is None else Upload(*u)
 
-    def seed(self, residents: Sequence[tuple[int, int]]) -> list[Upload]:
+    def admit(self, layer: int, experts: Any, max_uploads: int | None = None) -> list[Upload]:
+        """``hybrid`` fill after a step's :meth:`lookup`: which of ``experts`` (the step's
+        misses, any int sequence or array; residents and repeats are skipped) to upload, at
+        most ``max_uploads`` (None: no cap), and where. Free slots are always taken; once the
+        pool is full, LRU admits each in order over the least recently used resident, the
+        adaptive policy the highest-scored first, each only over a resident it out-scores by
+        the margin. Never evicts what the latest lookup or place of any layer named, nor what
+        this call uploads."""
+        a = np.asarray(experts)
+        if a.size and not np.issubdtype(a.dtype, np.integer):
+            raise InvalidInputError(f"expert ids must be integers, got {a.dtype}")
+        ex = [_index(e, "expert") for e in a.ravel().tolist()]
+        cap = len(ex) if max_uploads is None else _index(max_uploads, "max_uploads")
+        return [Upload(*u) for u in self._c.admit(_index(layer, "layer"), ex, cap)]
+
+    def score(self, layer: int, expert: int) -> float | None:
+        """The adaptive policy's aged route count of one expert; None under LRU."""
+        return self._c.score(_index(layer, "layer"), _index(expert, "expert"))
+
+    def scores(self, layer: int) -> np.ndarray | None:
+        """Every expert's aged route count in ``layer`` (float64); None under LRU."""
+        s = self._c.scores(_index(layer, "layer"))
+        return None if s is None else np.asarray(s, dtype=np.float64)
+
+    def seed(
+        self, residents: Sequence[tuple[int, int]], rates: Sequence[float] | None = None
+    ) -> list[Upload]:
         """Fills an empty pool: ``residents[i]`` (layer, expert) goes to slot ``i``, listed
         hottest first (``residents[0]`` is the most recently used), as
-        :attr:`PoolPlan.residents` lists them. Returns the uploads."""
+        :attr:`PoolPlan.residents` lists them. Returns the uploads.
+
+        ``rates`` (adaptive policy; ignored under LRU): each resident's routes per token in the
+        profile (its count over the profiled tokens). Its score then starts where an expert
+        routed that often would have it, so that early misses do not displace the profile's
+        experts before their own routes are counted."""
         pairs = [(_index(la, "layer"), _index(e, "expert")) for la, e in residents]
-        return [Upload(*u) for u in self._c.seed(pairs)]
+        r = None if rates is None else [_number(x, "a rate") for x in rates]
+        return [Upload(*u) for u in self._c.seed(pairs, r)]
 
     def split_tokens(self, ids: Any) -> list[tuple[int, int]]:
         """Token ranges ``[start, stop)`` that each name at most ``n_slots`` distinct
