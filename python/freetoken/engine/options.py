@@ -31,7 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 #: (``hybrid`` comes with issue 7).
 MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload")
 #: One slot pool per expert type triple, or per layer.
-CACHE_SCOPES = ("per-type", "per-layer")
+CACHE_SCOPES = ("type", "per-layer")
 #: How dense weights run on the GPU (engine/gpu_layers.py).
 DENSE_MODES = ("quant", "bf16")
 
@@ -42,7 +42,7 @@ class EngineOptions:
     ``moe_strategy``: where routed experts run with a GPU: ``auto``, ``cpu`` (the CPU expert
     executor), ``gpu`` (all resident) or ``offload`` (slot pools filled on demand).
     ``dense_weights``: ``quant`` (ggml-cuda MMVQ/MMQ on the GGUF types) or ``bf16``.
-    ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``per-type`` or
+    ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
     them. ``moe_cpu_threads``: the CPU expert executor's threads."""
 
@@ -50,7 +50,7 @@ class EngineOptions:
     moe_strategy: str = "auto"
     dense_weights: str = "quant"
     moe_cache_mib: int | None = None
-    moe_cache_scope: str = "per-type"
+    moe_cache_scope: str = "type"
     moe_cache_profile: str | None = None
     moe_cpu_threads: int | None = None
 
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
     g.add_argument("--moe-cache-mib", type=int, default=None, help="GPU expert cache size")
-    g.add_argument("--moe-cache-scope", choices=CACHE_SCOPES, default="per-type")
+    g.add_argument("--moe-cache-scope", choices=CACHE_SCOPES, default="type")
     g.add_argument("--moe-cache-profile", default=None, help="expert-use profile (JSON)")
     g.add_argument(
         "--dense-weights", choices=DENSE_MODES, default="quant", help="GPU dense products"

@@ -125,7 +125,7 @@ def place_on_gpu(
     dense: str = "quant",
     n_ctx: int = 4096,
     cache_mib: int | None = None,
-    cache_scope: str = "per-type",
+    cache_scope: str = "type",
     cache_profile: Any = None,
     device: torch.device | str | None = None,
     log: Callable[[str], None] | None = None,
@@ -227,7 +227,7 @@ def _experts(
     plan = plan_pools(
         [ex.spec() for ex in layers],
         budget,
-        scope="type" if scope == "per-type" else scope,
+        scope=scope,
         profile=profile,
         architecture=model.cfg.arch,
         n_layers=model.cfg.n_layers,
