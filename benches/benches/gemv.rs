@@ -2,8 +2,9 @@
 //!
 //! `bandwidth/read/<T>t` streams a buffer far larger than the last-level cache; `gemv/<type>/<T>t`
 //! runs y[1, N] = x[1, K] . W^T through ft-cpu on a weight matrix also far larger than the cache.
-//! Both report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
-//! each GEMV figure by the probe's at the same thread count: decode is bound by streaming the
+//! `moe/{decode,prefill64}/<T>t` runs the expert executor on Qwen3-30B-A3B's MoE layer shape.
+//! All report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
+//! each figure by the probe's at the same thread count: decode is bound by streaming the
 //! weights, so that fraction says how much of the machine's bandwidth the kernels use.
 
 use criterion::measurement::WallTime;
@@ -11,7 +12,7 @@ use criterion::{
     criterion_group, Bencher, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use freetoken_ggml::{quantize, GgmlType};
-use ft_cpu::{QuantWeight, ThreadPool};
+use ft_cpu::{moe_forward, Activation, ExpertMats, MoeWeights, QuantWeight, ThreadPool};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -49,6 +50,20 @@ const TYPES: &[GgmlType] = &[
     GgmlType::IQ4_XS,
     GgmlType::MXFP4,
 ];
+
+/// Qwen3-30B-A3B's MoE layer: 128 experts of hidden 2048 and expert FFN 768, top-8.
+const MOE_EXPERTS: usize = 128;
+const MOE_HIDDEN: usize = 2048;
+const MOE_FFN: usize = 768;
+const MOE_TOP_K: usize = 8;
+/// Distinct quantized experts; the others repeat their bytes (as `TILE_ROWS` above).
+const MOE_TILES: usize = 4;
+/// Decode calls cycle through this many disjoint sets of `MOE_TOP_K` experts (16 sets of
+/// 21 MB), so that a call reads experts the previous fifteen did not and none comes from the
+/// 32 MiB L3, as in a decode step of the 8-layer model in README.md.
+const MOE_DECODE_SETS: usize = MOE_EXPERTS / MOE_TOP_K;
+/// Prefill: a 64-token batch.
+const MOE_PREFILL_TOKENS: usize = 64;
 
 /// Every timed call of one case, kept for the summary.
 struct Record {
@@ -186,6 +201,120 @@ fn gemv(c: &mut Criterion) {
     group.finish();
 }
 
+/// One expert matrix of every expert, `data` holding them back to back.
+fn expert_mats(t: GgmlType, data: &[u8], n: usize, k: usize) -> ExpertMats<'_> {
+    ExpertMats {
+        ty: t,
+        n,
+        k,
+        experts: data.chunks_exact(data.len() / MOE_EXPERTS).collect(),
+        bias: None,
+    }
+}
+
+/// `moe/decode/<T>t`: one token through the layer (`MOE_TOP_K` experts, each read once),
+/// `moe/prefill64/<T>t`: 64 tokens with random routes (nearly every expert read once). Both
+/// in Q4_0, counting the bytes of the distinct experts a call reads, as the executor's
+/// counters do.
+fn moe(c: &mut Criterion) {
+    let pools: Vec<ThreadPool> = thread_counts().into_iter().map(ThreadPool::new).collect();
+    let t = GgmlType::Q4_0;
+    let quantized = |rows: usize, k: usize, seed: u64| {
+        let w = random_floats(MOE_TILES * rows * k, seed);
+        let scaled: Vec<f32> = w.iter().map(|v| v / (k as f32).sqrt()).collect();
+        quantize(t, &scaled, k, None)
+            .expect("quantize the expert tiles")
+            .repeat(MOE_EXPERTS / MOE_TILES)
+    };
+    let gate = quantized(MOE_FFN, MOE_HIDDEN, 0x243f_6a88_85a3_08d3);
+    let up = quantized(MOE_FFN, MOE_HIDDEN, 0x1319_8a2e_0370_7344);
+    let down = quantized(MOE_HIDDEN, MOE_FFN, 0xa409_3822_299f_31d0);
+    let w = MoeWeights {
+        n_experts: MOE_EXPERTS,
+        gate: expert_mats(t, &gate, MOE_FFN, MOE_HIDDEN),
+        up: expert_mats(t, &up, MOE_FFN, MOE_HIDDEN),
+        down: expert_mats(t, &down, MOE_HIDDEN, MOE_FFN),
+        act: Activation::Silu,
+    };
+    let expert_bytes = (gate.len() + up.len() + down.len()) / MOE_EXPERTS;
+
+    // Decode: set s holds experts s, s + 16, s + 32, ...
+    let decode_ids: Vec<Vec<i32>> = (0..MOE_DECODE_SETS)
+        .map(|s| {
+            (0..MOE_TOP_K)
+                .map(|j| (s + j * MOE_DECODE_SETS) as i32)
+                .collect()
+        })
+        .collect();
+    // Prefill: distinct experts per token from a fixed xorshift sequence.
+    let mut state = 0x8553_4f1b_27a1_9e03u64;
+    let mut prefill_ids = Vec::with_capacity(MOE_PREFILL_TOKENS * MOE_TOP_K);
+    for _ in 0..MOE_PREFILL_TOKENS {
+        let mut chosen = Vec::with_capacity(MOE_TOP_K);
+        while chosen.len() < MOE_TOP_K {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let e = (state % MOE_EXPERTS as u64) as i32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        prefill_ids.extend(chosen);
+    }
+    let mut distinct = prefill_ids.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let route_weights = vec![1.0 / MOE_TOP_K as f32; MOE_PREFILL_TOKENS * MOE_TOP_K];
+    let x = random_floats(MOE_PREFILL_TOKENS * MOE_HIDDEN, 0x0801_f2e2_8580_07c3);
+    let mut out = vec![0f32; MOE_PREFILL_TOKENS * MOE_HIDDEN];
+
+    let mut group = c.benchmark_group("moe");
+    for pool in &pools {
+        let threads = pool.n_threads();
+        let bytes = MOE_TOP_K * expert_bytes;
+        configure(&mut group, bytes);
+        group.bench_function(BenchmarkId::new("decode", format!("{threads}t")), |b| {
+            let mut step = 0;
+            timed(b, "moe/decode", threads, bytes, || {
+                let ids = &decode_ids[step % MOE_DECODE_SETS];
+                step += 1;
+                let o = &mut out[..MOE_HIDDEN];
+                moe_forward(
+                    pool,
+                    &w,
+                    black_box(&x[..MOE_HIDDEN]),
+                    ids,
+                    &route_weights[..MOE_TOP_K],
+                    o,
+                )
+                .expect("shapes match");
+                black_box(o);
+            })
+        });
+    }
+    for pool in &pools {
+        let threads = pool.n_threads();
+        let bytes = distinct.len() * expert_bytes;
+        configure(&mut group, bytes);
+        group.bench_function(BenchmarkId::new("prefill64", format!("{threads}t")), |b| {
+            timed(b, "moe/prefill64", threads, bytes, || {
+                moe_forward(
+                    pool,
+                    &w,
+                    black_box(&x),
+                    &prefill_ids,
+                    &route_weights,
+                    &mut out,
+                )
+                .expect("shapes match");
+                black_box(&out);
+            })
+        });
+    }
+    group.finish();
+}
+
 /// GB/s of one case over criterion's measurement: in flat sampling every sample runs the same
 /// number of iterations, unlike the warm-up's doubling counts, so the trailing calls with the
 /// last call's count are the samples (the mean over them is criterion's point estimate).
@@ -237,7 +366,7 @@ criterion_group! {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = bandwidth, gemv
+    targets = bandwidth, gemv, moe
 }
 
 // criterion_main! with the summary after criterion's own report.

@@ -49,4 +49,5 @@ extern "C" {
         imatrix: *const f32,
     ) -> usize;
     pub fn ggml_quantize_requires_imatrix(t: c_int) -> bool;
+    pub fn ggml_cpu_has_avx2() -> c_int;
 }

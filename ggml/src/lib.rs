@@ -19,3 +19,10 @@ pub fn init() {
     // SAFETY: ggml_cpu_init only fills ggml's static tables.
     ONCE.call_once(|| unsafe { ffi::ggml_cpu_init() });
 }
+
+/// Whether ggml-cpu was compiled with AVX2, so that its x86 dot products take their AVX2
+/// paths (whose rounding a caller reproducing them bit for bit must follow).
+pub fn cpu_has_avx2() -> bool {
+    // SAFETY: returns a compile-time constant of the library.
+    unsafe { ffi::ggml_cpu_has_avx2() != 0 }
+}

@@ -2,6 +2,7 @@
 //! ggml-cpu's row kernels, and the expert executor with its background submit / wait.
 
 mod background;
+mod kernels;
 mod matmul;
 mod moe;
 mod pool;

@@ -4,10 +4,11 @@
 //! tokens chose it; each activation row is quantized once per vec_dot type; work is spread
 //! over (expert, row block) pairs on the pool.
 
+use crate::kernels::{RowDots, PASS_ROWS};
 use crate::matmul::OutPtr;
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// The gated activation between the gate/up and down products.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,10 +81,11 @@ impl ExpertMats<'_> {
         Ok(kernel)
     }
 
+    /// Rows `rows` of expert `e`, contiguous.
     #[inline]
-    fn row(&self, e: usize, r: usize, kernel: &VecDot) -> &[u8] {
+    fn rows(&self, e: usize, rows: std::ops::Range<usize>, kernel: &VecDot) -> &[u8] {
         let b = kernel.weight_row_bytes();
-        &self.experts[e][r * b..(r + 1) * b]
+        &self.experts[e][rows.start * b..rows.end * b]
     }
 
     #[inline]
@@ -131,49 +133,110 @@ pub struct MoeStats {
     pub weight_bytes: u64,
 }
 
-/// Rows of one weight per task.
-const ROW_BLOCK: usize = 32;
+/// Tasks per thread a call is cut into at least, so that a thread slowed by other work on the
+/// machine delays the call by a small part of it.
+const TASKS_PER_THREAD: usize = 4;
+/// Rows per task at least, when an expert is split to make enough tasks.
+const MIN_TASK_ROWS: usize = 16;
 
 /// A route table grouped by expert: `order` lists route indices (token * top_k + j) expert by
-/// expert; `groups` gives each used expert's range in it.
+/// expert, in route order within an expert; `groups` gives each used expert's range in it,
+/// experts in id order.
 struct Grouping {
     order: Vec<usize>,
     groups: Vec<(usize, std::ops::Range<usize>)>,
 }
 
 fn group_routes(ids: &[i32], n_experts: usize) -> Result<Grouping> {
-    let mut per: HashMap<usize, Vec<usize>> = HashMap::new();
-    for (route, &id) in ids.iter().enumerate() {
+    let mut start = vec![0usize; n_experts + 1];
+    for &id in ids {
         if id < 0 || id as usize >= n_experts {
             return Err(Error::InvalidInput(format!(
                 "expert id {id} is out of range (0..{n_experts})"
             )));
         }
-        per.entry(id as usize).or_default().push(route);
+        start[id as usize + 1] += 1;
     }
-    let mut experts: Vec<_> = per.into_iter().collect();
-    experts.sort_unstable_by_key(|(e, _)| *e);
-    let mut order = Vec::with_capacity(ids.len());
-    let mut groups = Vec::with_capacity(experts.len());
-    for (e, routes) in experts {
-        let start = order.len();
-        order.extend(routes);
-        groups.push((e, start..order.len()));
+    for e in 0..n_experts {
+        start[e + 1] += start[e];
+    }
+    let groups = (0..n_experts)
+        .filter(|&e| start[e + 1] > start[e])
+        .map(|e| (e, start[e]..start[e + 1]))
+        .collect();
+    let mut order = vec![0; ids.len()];
+    for (route, &id) in ids.iter().enumerate() {
+        let slot = &mut start[id as usize];
+        order[*slot] = route;
+        *slot += 1;
     }
     Ok(Grouping { order, groups })
 }
 
-/// Tasks of (group index, first row) covering `rows` rows of every used expert.
-fn row_tasks(groups: usize, rows: usize) -> Vec<(usize, usize)> {
-    (0..groups)
-        .flat_map(|g| (0..rows).step_by(ROW_BLOCK).map(move |r| (g, r)))
+/// One task: a contiguous block of one used expert's gate and up rows (phase 1) or down rows
+/// (phase 2).
+#[derive(Clone)]
+enum Task {
+    GateUp(usize, std::ops::Range<usize>),
+    Down(usize, std::ops::Range<usize>),
+}
+
+/// Each group's `rows` cut into equal contiguous blocks, as few as give every thread
+/// `TASKS_PER_THREAD` tasks over all groups. Long blocks matter: each task streams its rows
+/// from memory, and short ones (32 rows, 14 KB of a Q4_0 down matrix) left two threads
+/// decoding at 18 GB/s where whole experts reach 30 (benches/README.md).
+fn blocks(groups: usize, rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
+    let splits = (TASKS_PER_THREAD * threads)
+        .div_ceil(groups)
+        .clamp(1, rows.div_ceil(MIN_TASK_ROWS));
+    let per = rows.div_ceil(splits);
+    (0..rows)
+        .step_by(per)
+        .map(|r| r..(r + per).min(rows))
         .collect()
+}
+
+/// Sets `failed` if its task unwinds: a panicking gate/up task never marks its expert ready,
+/// and the down tasks waiting for it must stop instead of spinning for ever.
+struct PanicFlag<'a>(&'a AtomicBool);
+
+impl Drop for PanicFlag<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Waits until `ready` is set (true) or a task has panicked (false). The wait is short: every
+/// gate/up task is handed out before any down task, so the ones this waits for are running.
+fn wait_ready(ready: &AtomicBool, failed: &AtomicBool) -> bool {
+    let mut polls = 0u32;
+    loop {
+        if ready.load(Ordering::Acquire) {
+            return true;
+        }
+        if failed.load(Ordering::Relaxed) {
+            return false;
+        }
+        // Yield after a while: on a busy machine the thread being waited for may need this CPU.
+        if polls < 1 << 12 {
+            std::hint::spin_loop();
+            polls += 1;
+        } else {
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// out[T, hidden] = sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]).
 ///
 /// `x` is `[T, hidden]`, `ids` and `weights` are `[T, top_k]`. Expert ids out of range and
 /// shapes that do not fit are errors; nothing is touched before every size is checked.
+///
+/// Both phases go to the pool as one job: an expert's down rows start as soon as its own
+/// gate/up rows are done (the task that finishes them quantizes that expert's h), not after
+/// every expert's, so a step pays one dispatch and no barrier between the phases.
 pub fn moe_forward(
     pool: &ThreadPool,
     w: &MoeWeights<'_>,
@@ -206,6 +269,7 @@ pub fn moe_forward(
     let top_k = ids.len() / t;
     let grouping = group_routes(ids, e)?;
     let n_routes = ids.len();
+    let n_groups = grouping.groups.len();
 
     // Activations, quantized once per vec_dot type (gate and up usually share one).
     let xg = crate::quantize_rows(pool, &kg, x)?;
@@ -214,49 +278,119 @@ pub fn moe_forward(
     } else {
         Some(crate::quantize_rows(pool, &ku, x)?)
     };
-    let (agb, aub) = (kg.act_row_bytes(), ku.act_row_bytes());
+    let (agb, aub, adb) = (kg.act_row_bytes(), ku.act_row_bytes(), kd.act_row_bytes());
+    let (dg, du, dd) = (RowDots::new(kg), RowDots::new(ku), RowDots::new(kd));
 
-    // Phase 1: h[route] = act(gate . x + bg, up . x + bu), rows split per expert.
+    let threads = pool.n_threads();
+    let (up_blocks, down_blocks) = (
+        blocks(n_groups, ffn, threads),
+        blocks(n_groups, hidden, threads),
+    );
+    // Experts with the most routes first, so that the longest tasks do not come last and leave
+    // one thread working alone; each expert's down blocks after every gate/up block.
+    let mut by_load: Vec<usize> = (0..n_groups).collect();
+    by_load.sort_by_key(|&g| std::cmp::Reverse(grouping.groups[g].1.len()));
+    let tasks: Vec<Task> = by_load
+        .iter()
+        .flat_map(|&g| up_blocks.iter().map(move |b| Task::GateUp(g, b.clone())))
+        .chain(
+            by_load
+                .iter()
+                .flat_map(|&g| down_blocks.iter().map(move |b| Task::Down(g, b.clone()))),
+        )
+        .collect();
+    // Per group: gate/up blocks still running, and whether its h is quantized.
+    let pending: Vec<AtomicUsize> = (0..n_groups)
+        .map(|_| AtomicUsize::new(up_blocks.len()))
+        .collect();
+    let ready: Vec<AtomicBool> = (0..n_groups).map(|_| AtomicBool::new(false)).collect();
+    let failed = AtomicBool::new(false);
+
     let mut h = vec![0f32; n_routes * ffn];
-    let hp = OutPtr(h.as_mut_ptr());
-    let tasks = row_tasks(grouping.groups.len(), ffn);
-    pool.run(tasks.len(), &|i| {
-        let (g, r0) = tasks[i];
-        let (ex, ref range) = grouping.groups[g];
-        for r in r0..(r0 + ROW_BLOCK).min(ffn) {
-            let (wg, wu) = (w.gate.row(ex, r, &kg), w.up.row(ex, r, &ku));
-            let (bg, bu) = (w.gate.bias(ex, r), w.up.bias(ex, r));
-            for &route in &grouping.order[range.clone()] {
-                let tok = route / top_k;
-                let ag = &xg[tok * agb..(tok + 1) * agb];
-                let au = xu.as_ref().map_or(ag, |xu| &xu[tok * aub..(tok + 1) * aub]);
-                let gv = kg.dot(wg, ag).expect("sizes checked") + bg;
-                let uv = ku.dot(wu, au).expect("sizes checked") + bu;
-                // SAFETY: route < n_routes and r < ffn index inside h; (route, r) belongs to
-                // this task alone (rows r0.. of this expert, whose routes no other expert has).
-                unsafe { *hp.get().add(route * ffn + r) = w.act.apply(gv, uv) };
+    let mut hq = vec![0u8; n_routes * adb];
+    let mut y = vec![0f32; n_routes * hidden];
+    let (hp, hqp, yp) = (
+        OutPtr(h.as_mut_ptr()),
+        OutPtr(hq.as_mut_ptr().cast()),
+        OutPtr(y.as_mut_ptr()),
+    );
+    pool.run(tasks.len(), &|i| match tasks[i] {
+        // h[route] = act(gate . x + bg, up . x + bu) for these rows of the expert.
+        Task::GateUp(g, ref rows) => {
+            let _flag = PanicFlag(&failed);
+            let (ex, ref range) = grouping.groups[g];
+            let routes = &grouping.order[range.clone()];
+            let (mut gv, mut uv) = ([0f32; PASS_ROWS], [0f32; PASS_ROWS]);
+            for r0 in rows.clone().step_by(PASS_ROWS) {
+                let pass = r0..(r0 + PASS_ROWS).min(rows.end);
+                let n = pass.len();
+                let wg = w.gate.rows(ex, pass.clone(), &kg);
+                let wu = w.up.rows(ex, pass.clone(), &ku);
+                for &route in routes {
+                    let tok = route / top_k;
+                    let ag = &xg[tok * agb..(tok + 1) * agb];
+                    let au = xu.as_ref().map_or(ag, |xu| &xu[tok * aub..(tok + 1) * aub]);
+                    dg.dots(wg, ag, &mut gv[..n]);
+                    du.dots(wu, au, &mut uv[..n]);
+                    for (i, r) in pass.clone().enumerate() {
+                        let gate = gv[i] + w.gate.bias(ex, r);
+                        let up = uv[i] + w.up.bias(ex, r);
+                        // SAFETY: route < n_routes and r < ffn index inside h; (route, r)
+                        // belongs to this task alone (these rows of this expert, whose routes
+                        // no other expert has).
+                        unsafe { *hp.get().add(route * ffn + r) = w.act.apply(gate, up) };
+                    }
+                }
+            }
+            // The last block of this expert quantizes its h rows for the down product.
+            if pending[g].fetch_sub(1, Ordering::AcqRel) == 1 {
+                for &route in routes {
+                    // SAFETY: every block of this expert has finished writing h (the AcqRel
+                    // count orders their writes before this read), and hq's row `route`
+                    // belongs to this expert's last block alone.
+                    let (hr, dst) = unsafe {
+                        (
+                            std::slice::from_raw_parts(hp.get().add(route * ffn), ffn),
+                            std::slice::from_raw_parts_mut(
+                                hqp.get().cast::<u8>().add(route * adb),
+                                adb,
+                            ),
+                        )
+                    };
+                    kd.quantize_act(hr, dst).expect("sizes checked");
+                }
+                ready[g].store(true, Ordering::Release);
             }
         }
-    });
-
-    // Phase 2: y[route] = down . h[route] + bd, then the weighted sum per token.
-    let hq = crate::quantize_rows(pool, &kd, &h)?;
-    let adb = kd.act_row_bytes();
-    let mut y = vec![0f32; n_routes * hidden];
-    let yp = OutPtr(y.as_mut_ptr());
-    let tasks = row_tasks(grouping.groups.len(), hidden);
-    pool.run(tasks.len(), &|i| {
-        let (g, r0) = tasks[i];
-        let (ex, ref range) = grouping.groups[g];
-        for r in r0..(r0 + ROW_BLOCK).min(hidden) {
-            let wd = w.down.row(ex, r, &kd);
-            let bd = w.down.bias(ex, r);
-            for &route in &grouping.order[range.clone()] {
-                let v = kd
-                    .dot(wd, &hq[route * adb..(route + 1) * adb])
-                    .expect("sizes checked");
-                // SAFETY: as in phase 1, for y.
-                unsafe { *yp.get().add(route * hidden + r) = v + bd };
+        // y[route] = down . h[route] + bd for these rows of the expert.
+        Task::Down(g, ref rows) => {
+            if !wait_ready(&ready[g], &failed) {
+                return;
+            }
+            let (ex, ref range) = grouping.groups[g];
+            for r0 in rows.clone().step_by(PASS_ROWS) {
+                let pass = r0..(r0 + PASS_ROWS).min(rows.end);
+                let wd = w.down.rows(ex, pass.clone(), &kd);
+                for &route in &grouping.order[range.clone()] {
+                    // SAFETY: the expert's hq rows are complete (ready, Acquire) and no longer
+                    // written; y[route][pass] belongs to this task alone, as h's rows above.
+                    let (a, y) = unsafe {
+                        (
+                            std::slice::from_raw_parts(
+                                hqp.get().cast::<u8>().add(route * adb),
+                                adb,
+                            ),
+                            std::slice::from_raw_parts_mut(
+                                yp.get().add(route * hidden + pass.start),
+                                pass.len(),
+                            ),
+                        )
+                    };
+                    dd.dots(wd, a, y);
+                    for (v, r) in y.iter_mut().zip(pass.clone()) {
+                        *v += w.down.bias(ex, r);
+                    }
+                }
             }
         }
     });
@@ -274,7 +408,129 @@ pub fn moe_forward(
         (w.gate.experts[0].len() + w.up.experts[0].len() + w.down.experts[0].len()) as u64;
     Ok(MoeStats {
         routes: n_routes as u64,
-        experts: grouping.groups.len() as u64,
-        weight_bytes: per_expert * grouping.groups.len() as u64,
+        experts: n_groups as u64,
+        weight_bytes: per_expert * n_groups as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use freetoken_ggml::quantize;
+
+    fn floats(n: usize, mut s: u64, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    fn mats<'a>(
+        ty: GgmlType,
+        data: &'a [u8],
+        n: usize,
+        k: usize,
+        e: usize,
+        bias: Option<&'a [f32]>,
+    ) -> ExpertMats<'a> {
+        ExpertMats {
+            ty,
+            n,
+            k,
+            experts: data.chunks_exact(data.len() / e).collect(),
+            bias,
+        }
+    }
+
+    /// The executor's arithmetic, one row and one route at a time with ggml's dot product.
+    fn row_by_row(w: &MoeWeights<'_>, x: &[f32], ids: &[i32], wts: &[f32]) -> Vec<f32> {
+        let (kg, ku, kd) = w.validate().unwrap();
+        let (hidden, ffn) = (w.gate.k, w.gate.n);
+        let top_k = ids.len() / (x.len() / hidden);
+        let quant = |k: &VecDot, v: &[f32]| {
+            let mut q = vec![0u8; k.act_row_bytes()];
+            k.quantize_act(v, &mut q).unwrap();
+            q
+        };
+        let row =
+            |m: &ExpertMats<'_>, k: &VecDot, e: usize, r: usize| m.rows(e, r..r + 1, k).to_vec();
+        let mut out = vec![0f32; x.len()];
+        for (tok, o) in out.chunks_exact_mut(hidden).enumerate() {
+            let xt = &x[tok * hidden..(tok + 1) * hidden];
+            let (ag, au) = (quant(&kg, xt), quant(&ku, xt));
+            let mut ys = vec![];
+            for &id in &ids[tok * top_k..(tok + 1) * top_k] {
+                let e = id as usize;
+                let h: Vec<f32> = (0..ffn)
+                    .map(|r| {
+                        let g = kg.dot(&row(&w.gate, &kg, e, r), &ag).unwrap() + w.gate.bias(e, r);
+                        let u = ku.dot(&row(&w.up, &ku, e, r), &au).unwrap() + w.up.bias(e, r);
+                        w.act.apply(g, u)
+                    })
+                    .collect();
+                let hq = quant(&kd, &h);
+                let y: Vec<f32> = (0..hidden)
+                    .map(|r| kd.dot(&row(&w.down, &kd, e, r), &hq).unwrap() + w.down.bias(e, r))
+                    .collect();
+                ys.push(y);
+            }
+            for (j, y) in ys.iter().enumerate() {
+                for (a, b) in o.iter_mut().zip(y) {
+                    *a += wts[tok * top_k + j] * b;
+                }
+            }
+        }
+        out
+    }
+
+    /// Row counts that are not multiples of the 4-row kernels or of a pass (hidden 160, FFN
+    /// 96), types with and without row-group kernels, 1 to 3 threads: every output equals the
+    /// row-by-row computation bit for bit, whatever the task layout.
+    #[test]
+    fn equals_the_row_by_row_computation_bit_for_bit() {
+        let (e, hidden, ffn) = (6, 160, 96);
+        for (tg, td) in [
+            (GgmlType::Q4_0, GgmlType::Q8_0),
+            (GgmlType::Q8_0, GgmlType::Q4_0),
+            (GgmlType::Q5_0, GgmlType::IQ4_NL),
+        ] {
+            let mat = |t, n, k, seed| {
+                let v = floats(e * n * k, seed, 1.0 / (k as f32).sqrt());
+                quantize(t, &v, k, None).unwrap()
+            };
+            let (g, u, d) = (
+                mat(tg, ffn, hidden, 1),
+                mat(tg, ffn, hidden, 2),
+                mat(td, hidden, ffn, 3),
+            );
+            let bias = floats(e * hidden.max(ffn), 4, 0.5);
+            let w = MoeWeights {
+                n_experts: e,
+                gate: mats(tg, &g, ffn, hidden, e, Some(&bias[..e * ffn])),
+                up: mats(tg, &u, ffn, hidden, e, None),
+                down: mats(td, &d, hidden, ffn, e, Some(&bias[..e * hidden])),
+                act: Activation::Silu,
+            };
+            for t in [1, 5, 33] {
+                let k = 3;
+                let x = floats(t * hidden, t as u64, 2.0);
+                let ids: Vec<i32> = (0..t * k).map(|i| ((i * 7 + i / k) % e) as i32).collect();
+                let wts = floats(t * k, 9, 1.0);
+                let want = row_by_row(&w, &x, &ids, &wts);
+                for threads in 1..=3 {
+                    let mut out = vec![f32::NAN; x.len()];
+                    moe_forward(&ThreadPool::new(threads), &w, &x, &ids, &wts, &mut out).unwrap();
+                    let same = out
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{tg}/{td} T={t} {threads} threads");
+                }
+            }
+        }
+    }
 }
