@@ -8,4 +8,7 @@ pub mod gguf;
 pub mod slot_policy;
 pub mod slots;
 
+#[cfg(test)]
+mod test_rng;
+
 pub use freetoken_ggml::{Error, GgmlType, Result};

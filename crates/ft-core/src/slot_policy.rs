@@ -362,20 +362,7 @@ impl SlotHeap {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// xorshift64*: deterministic and dependency-free.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::test_rng::Rng;
 
     #[test]
     fn scores_halve_every_half_life_and_survive_rescaling() {
@@ -411,7 +398,7 @@ mod tests {
         let mut h = SlotHeap::new(n);
         let mut keys: Vec<Option<HeapKey>> = vec![None; n];
         for step in 0..20_000u64 {
-            let slot = rng.below(n as u64) as usize;
+            let slot = rng.below(n);
             match rng.below(4) {
                 0 => {
                     h.remove(slot);

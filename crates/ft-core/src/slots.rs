@@ -827,6 +827,7 @@ impl SlotCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::Rng;
 
     fn place(
         c: &mut SlotCache,
@@ -966,29 +967,6 @@ mod tests {
     }
 
     // ---- Policies and admit ----
-
-    /// xorshift64*: deterministic and dependency-free.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        /// `k` distinct values from `lo..hi`.
-        fn distinct(&mut self, k: usize, lo: usize, hi: usize, out: &mut Vec<i32>) {
-            while out.len() < k {
-                let e = (lo + self.below(hi - lo)) as i32;
-                if !out.contains(&e) {
-                    out.push(e);
-                }
-            }
-        }
-    }
 
     fn adaptive(half_life: f64, margin: f64) -> Policy {
         Policy::Adaptive { half_life, margin }
