@@ -341,14 +341,15 @@ class GpuMoeFFN:
 
     def __init__(
         self,
-        cpu: MoeFFN,
+        ex: ExpertLayer,
+        routing: Routing,
         router: Callable[[torch.Tensor], torch.Tensor],
         experts: ResidentExperts | OffloadExperts,
         shared: Callable[[torch.Tensor], torch.Tensor] | None,
         selection_bias: torch.Tensor | None,
     ) -> None:
-        self.ex = ExpertLayer.of(cpu)
-        self.routing: Routing = cpu.routing
+        self.ex = ex
+        self.routing = routing
         self.router = router
         self.experts = experts
         self.shared = shared

@@ -151,14 +151,9 @@ def place_on_gpu(
         strategy, dense, dev, cpu_layers=[ex.index for ex in layers if ex not in servable]
     )
 
-    # Dense parts first: what they take decides what is left for the experts.
-    pending: dict[int, MoeFFN] = {}
-
-    def defer(ffn: MoeFFN) -> Any:
-        pending[id(ffn)] = ffn
-        return ffn
-
-    mover = _Mover(dev, dense, defer)
+    # Dense parts first (MoE feed-forwards are left for below): what they take decides what
+    # is left for the experts.
+    mover = _Mover(dev, dense, lambda ffn: ffn)
     model.blocks = mover(model.blocks)
     model.output_norm = mover(model.output_norm)
     if model.rope_factors is not None:
@@ -176,15 +171,17 @@ def place_on_gpu(
         )
         place.expert_bytes = experts.nbytes
         place.experts = experts
+    on_gpu = {ex.index: ex for ex in servable}
     for blk in model.blocks:
         ffn = blk.ffn
         if not isinstance(ffn, MoeFFN):
             continue
-        if experts is not None and ffn.layer.index not in place.cpu_layers:
+        ex = on_gpu.get(ffn.layer.index)
+        if experts is not None and ex is not None:
             shared = mover(ffn.shared) if ffn.shared is not None else None
             bias = mover(ffn.selection_bias) if ffn.selection_bias is not None else None
             router = GpuLinear(ffn.router, dev, dense, keep_f32=True)  # type: ignore[arg-type]
-            gffn = blk.ffn = GpuMoeFFN(ffn, router, experts, shared, bias)
+            gffn = blk.ffn = GpuMoeFFN(ex, ffn.routing, router, experts, shared, bias)
             if model.moe is not None:
                 model.moe.collectors.append(
                     functools.partial(gffn.flush_counts, model.moe.counters)
@@ -192,7 +189,8 @@ def place_on_gpu(
         else:
             blk.ffn = CpuMoeFFN(ffn)
     model.device = dev
-    place.graphs = not place.cpu_layers and place.strategy == "gpu"
+    # Graphs need steps that never wait for the host: no CPU experts, no on-demand uploads.
+    place.graphs = not place.cpu_layers and (not layers or place.strategy == "gpu")
     model.graphs = GraphDecoder(model) if place.graphs else None
     log(place.describe())
     return place
