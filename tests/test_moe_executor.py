@@ -344,10 +344,11 @@ def run(
     x: np.ndarray,
     ids: np.ndarray,
     w: np.ndarray,
+    skip_negative: bool = False,
 ) -> np.ndarray:
     out = np.full_like(x, np.nan)
     executor.run(layer, x.ctypes.data, x.size, ids.ctypes.data, w.ctypes.data, ids.size,
-                 out.ctypes.data)  # fmt: skip
+                 out.ctypes.data, skip_negative=skip_negative)  # fmt: skip
     return out
 
 
@@ -358,9 +359,11 @@ def submit(
     ids: np.ndarray,
     w: np.ndarray,
     out: np.ndarray,
+    skip_negative: bool = False,
 ) -> Any:
     return executor.submit(layer, (x, ids, w, out), x.ctypes.data, x.size, ids.ctypes.data,
-                           w.ctypes.data, ids.size, out.ctypes.data)  # fmt: skip
+                           w.ctypes.data, ids.size, out.ctypes.data,
+                           skip_negative=skip_negative)  # fmt: skip
 
 
 # -- the reference ---------------------------------------------------------------------------
@@ -844,6 +847,69 @@ def test_counters(pair: Pair, executor: _core.MoeExecutor) -> None:
         if only is not None:
             assert last == (33, 1, per_expert[li])  # 33 tokens on one expert: read once
     assert totals[0][0] == 3 and totals[1][0] == 1
+
+
+# -- skipped routes (the hybrid split) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 8, 33])
+@pytest.mark.parametrize("li", [0, 1], ids=["q8_0", "q8_K"])
+def test_skipped_routes(pair: Pair, executor: _core.MoeExecutor, t: int, li: int) -> None:
+    """Routes marked -1 (hits, computed on the GPU) with ``skip_negative``: the output is the
+    reference over the missed routes only (the hits' weights NaN, so one used shows), zero
+    rows for tokens that missed nothing, and it adds up with the reference over the hits to
+    the reference over every route; the counters count the missed routes only, and an expert
+    only hits chose is not read. Without the flag -1 is an error, and -2 is one with it."""
+    ex = pair.experts[li]
+    rng = np.random.default_rng(3000 + 10 * t + li)
+    x = tokens(rng, t)
+    ids, w = routes(rng, t, ex.n_experts, 8)
+    hit = rng.random(ids.shape) < 0.5
+    if t > 1:
+        hit[0] = True  # a token that missed nothing
+    only_hits = ids[-1, 0]
+    hit[ids == only_hits] = True  # an expert that only hits chose
+    hit[-1, 1] = False
+    miss = ~hit
+    masked = np.where(hit, -1, ids).astype(np.int32)
+    counters = _core.MoeCounters(2)
+    layer = open_layer(pair.file, li, counters, ex)
+    out = run(executor, layer, x, masked, np.where(hit, np.nan, w).astype(np.float32), True)
+
+    assert (out[hit.all(axis=1)] == 0.0).all() and (t == 1 or hit[0].all())
+    rows = miss.any(axis=1)
+    w_miss, w_hit = np.where(miss, w, 0).astype(np.float32), np.where(hit, w, 0).astype(np.float32)
+    check(out[rows], x[rows], ids[rows], w_miss[rows], ex)
+    full = out + reference(x, ids, w_hit, ex)
+    tol = TOL_Q8K if ex.uses_q8k() else TOL
+    assert rel_err(full, reference(x, ids, w, ex)).max() <= tol
+
+    n, used = int(miss.sum()), np.unique(ids[miss])
+    last = (n, len(used), len(used) * ex.expert_bytes)
+    assert Snap(*counters.snapshot()[li][:7]) == Snap(1, *last, *last)
+    counts = np.bincount(ids[miss], minlength=ex.n_experts)
+    assert counters.expert_counts()[li] == counts.tolist() and counts[only_hits] == 0
+
+    # The background path computes the same.
+    late = np.full_like(x, np.nan)
+    submit(executor, layer, x, masked, w_miss, late, skip_negative=True).wait()
+    np.testing.assert_array_equal(late, out)
+
+    # Every route a hit: zeros, not a step.
+    none = np.full_like(ids, -1)
+    np.testing.assert_array_equal(run(executor, layer, x, none, w, True), np.zeros_like(x))
+    assert Snap(*counters.snapshot()[li][:7]).steps == 2
+
+    # -1 without the flag, -2 with it: errors, the output untouched.
+    bad = masked.copy()
+    bad[-1, 1] = -2
+    for i, flag in ((masked, False), (bad, True)):
+        untouched = np.full_like(x, 7.0)
+        with pytest.raises(InvalidInputError, match="out of range"):
+            executor.run(layer, x.ctypes.data, x.size, i.ctypes.data, w.ctypes.data, i.size,
+                         untouched.ctypes.data, skip_negative=flag)  # fmt: skip
+        assert (untouched == 7.0).all()
+    assert Snap(*counters.snapshot()[li][:7]).steps == 2
 
 
 # -- bad input -------------------------------------------------------------------------------

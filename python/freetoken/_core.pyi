@@ -67,7 +67,15 @@ class MoeExecutor:
     @property
     def n_threads(self) -> int: ...
     def run(
-        self, layer: MoeLayer, x: int, x_len: int, ids: int, weights: int, n_routes: int, out: int
+        self,
+        layer: MoeLayer,
+        x: int,
+        x_len: int,
+        ids: int,
+        weights: int,
+        n_routes: int,
+        out: int,
+        skip_negative: bool = False,
     ) -> None: ...
     def submit(
         self,
@@ -79,6 +87,7 @@ class MoeExecutor:
         weights: int,
         n_routes: int,
         out: int,
+        skip_negative: bool = False,
     ) -> MoeTicket: ...
 
 def cuda_status() -> tuple[bool, str, int]: ...

@@ -61,7 +61,8 @@ impl MoeCounters {
     }
 
     /// Adds one step's routes (expert ids, already checked in range) to `layer`'s per-expert
-    /// use counts.
+    /// use counts; ids outside `0..n_experts` (-1, a route the executor skipped) are not
+    /// counted.
     pub fn record_routes(&self, layer: usize, ids: &[i32], n_experts: usize) {
         if let Some(c) = self.layers.get(layer) {
             let mut counts = c.per_expert.lock().unwrap_or_else(|e| e.into_inner());

@@ -9,5 +9,7 @@ mod pool;
 
 pub use background::{Background, Ticket};
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
-pub use moe::{moe_forward, Activation, ExpertMats, MoeStats, MoeWeights};
+pub use moe::{
+    moe_forward, moe_forward_skipping, Activation, ExpertMats, MoeStats, MoeWeights, SKIP_ROUTE,
+};
 pub use pool::ThreadPool;

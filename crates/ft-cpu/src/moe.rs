@@ -147,10 +147,19 @@ struct Grouping {
     groups: Vec<(usize, std::ops::Range<usize>)>,
 }
 
-fn group_routes(ids: &[i32], n_experts: usize) -> Result<Grouping> {
+/// The expert id that marks a route not to compute, in `moe_forward_skipping`.
+pub const SKIP_ROUTE: i32 = -1;
+
+/// Routes with id `SKIP_ROUTE` are left out when `skip`; any other id out of range is an error.
+fn group_routes(ids: &[i32], n_experts: usize, skip: bool) -> Result<Grouping> {
     let mut start = vec![0usize; n_experts + 1];
+    let mut skipped = 0;
     for &id in ids {
         if id < 0 || id as usize >= n_experts {
+            if skip && id == SKIP_ROUTE {
+                skipped += 1;
+                continue;
+            }
             return Err(Error::InvalidInput(format!(
                 "expert id {id} is out of range (0..{n_experts})"
             )));
@@ -164,8 +173,12 @@ fn group_routes(ids: &[i32], n_experts: usize) -> Result<Grouping> {
         .filter(|&e| start[e + 1] > start[e])
         .map(|e| (e, start[e]..start[e + 1]))
         .collect();
-    let mut order = vec![0; ids.len()];
+    let mut order = vec![0; ids.len() - skipped];
     for (route, &id) in ids.iter().enumerate() {
+        // Only skipped routes are negative here.
+        if id < 0 {
+            continue;
+        }
         let slot = &mut start[id as usize];
         order[*slot] = route;
         *slot += 1;
@@ -245,6 +258,34 @@ pub fn moe_forward(
     weights: &[f32],
     out: &mut [f32],
 ) -> Result<MoeStats> {
+    forward(pool, w, x, ids, weights, out, false)
+}
+
+/// As `moe_forward`, but the routes whose id is `SKIP_ROUTE` (-1) are not computed: their
+/// weights are ignored, a token with every route skipped gets a zero row, and the stats count
+/// the computed routes only (an expert only skipped routes chose is not read). For the hybrid
+/// split, where the other routes run elsewhere and their rows are added to these. Other
+/// negative ids are still errors.
+pub fn moe_forward_skipping(
+    pool: &ThreadPool,
+    w: &MoeWeights<'_>,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    out: &mut [f32],
+) -> Result<MoeStats> {
+    forward(pool, w, x, ids, weights, out, true)
+}
+
+fn forward(
+    pool: &ThreadPool,
+    w: &MoeWeights<'_>,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    out: &mut [f32],
+    skip: bool,
+) -> Result<MoeStats> {
     let e = w.n_experts;
     let (kg, ku, kd) = w.validate()?;
     let (hidden, ffn) = (w.gate.k, w.gate.n);
@@ -267,9 +308,14 @@ pub fn moe_forward(
         )));
     }
     let top_k = ids.len() / t;
-    let grouping = group_routes(ids, e)?;
+    let grouping = group_routes(ids, e, skip)?;
     let n_routes = ids.len();
     let n_groups = grouping.groups.len();
+    if n_groups == 0 {
+        // Every route skipped.
+        out.fill(0.0);
+        return Ok(MoeStats::default());
+    }
 
     // Activations, quantized once per vec_dot type (gate and up usually share one).
     let xg = crate::quantize_rows(pool, &kg, x)?;
@@ -398,6 +444,9 @@ pub fn moe_forward(
         o.fill(0.0);
         for j in 0..top_k {
             let route = tok * top_k + j;
+            if skip && ids[route] < 0 {
+                continue;
+            }
             let wt = weights[route];
             for (a, b) in o.iter_mut().zip(&y[route * hidden..(route + 1) * hidden]) {
                 *a += wt * b;
@@ -407,7 +456,7 @@ pub fn moe_forward(
     let per_expert =
         (w.gate.experts[0].len() + w.up.experts[0].len() + w.down.experts[0].len()) as u64;
     Ok(MoeStats {
-        routes: n_routes as u64,
+        routes: grouping.order.len() as u64,
         experts: n_groups as u64,
         weight_bytes: per_expert * n_groups as u64,
     })
@@ -446,7 +495,8 @@ mod tests {
         }
     }
 
-    /// The executor's arithmetic, one row and one route at a time with ggml's dot product.
+    /// The executor's arithmetic, one row and one route at a time with ggml's dot product;
+    /// routes with a negative id are left out.
     fn row_by_row(w: &MoeWeights<'_>, x: &[f32], ids: &[i32], wts: &[f32]) -> Vec<f32> {
         let (kg, ku, kd) = w.validate().unwrap();
         let (hidden, ffn) = (w.gate.k, w.gate.n);
@@ -463,7 +513,10 @@ mod tests {
             let xt = &x[tok * hidden..(tok + 1) * hidden];
             let (ag, au) = (quant(&kg, xt), quant(&ku, xt));
             let mut ys = vec![];
-            for &id in &ids[tok * top_k..(tok + 1) * top_k] {
+            for (j, &id) in ids[tok * top_k..(tok + 1) * top_k].iter().enumerate() {
+                if id < 0 {
+                    continue;
+                }
                 let e = id as usize;
                 let h: Vec<f32> = (0..ffn)
                     .map(|r| {
@@ -476,9 +529,9 @@ mod tests {
                 let y: Vec<f32> = (0..hidden)
                     .map(|r| kd.dot(&row(&w.down, &kd, e, r), &hq).unwrap() + w.down.bias(e, r))
                     .collect();
-                ys.push(y);
+                ys.push((j, y));
             }
-            for (j, y) in ys.iter().enumerate() {
+            for (j, y) in &ys {
                 for (a, b) in o.iter_mut().zip(y) {
                     *a += wts[tok * top_k + j] * b;
                 }
@@ -531,6 +584,90 @@ mod tests {
                     assert!(same, "{tg}/{td} T={t} {threads} threads");
                 }
             }
+        }
+    }
+
+    /// Routes marked `SKIP_ROUTE` (weights NaN, so a weight used shows): the output equals the
+    /// row-by-row computation over the other routes bit for bit, tokens with every route
+    /// skipped get zeros, and the stats count only the computed routes; -1 without the flag
+    /// and other negative ids with it are errors that leave the output untouched.
+    #[test]
+    fn skipped_routes_are_not_computed() {
+        let (e, hidden, ffn, k) = (6, 160, 96, 4);
+        let ty = GgmlType::Q8_0;
+        let mat = |n, kk, seed| {
+            let v = floats(e * n * kk, seed, 1.0 / (kk as f32).sqrt());
+            quantize(ty, &v, kk, None).unwrap()
+        };
+        let (g, u, d) = (
+            mat(ffn, hidden, 1),
+            mat(ffn, hidden, 2),
+            mat(hidden, ffn, 3),
+        );
+        let w = MoeWeights {
+            n_experts: e,
+            gate: mats(ty, &g, ffn, hidden, e, None),
+            up: mats(ty, &u, ffn, hidden, e, None),
+            down: mats(ty, &d, hidden, ffn, e, None),
+            act: Activation::Silu,
+        };
+        let expert_bytes = (g.len() + u.len() + d.len()) as u64 / e as u64;
+        for t in [1, 5, 33] {
+            let x = floats(t * hidden, 7 + t as u64, 2.0);
+            let all: Vec<i32> = (0..t * k).map(|i| ((i * 5 + i / k) % e) as i32).collect();
+            let mut ids = all.clone();
+            let mut wts = floats(t * k, 11, 1.0);
+            for (i, id) in ids.iter_mut().enumerate() {
+                // Expert 0 only on skipped routes, token 0 all skipped, others at random.
+                if *id == 0 || i < k || (i * 7919) % 3 == 0 {
+                    *id = SKIP_ROUTE;
+                    wts[i] = f32::NAN;
+                }
+            }
+            let want = row_by_row(&w, &x, &ids, &wts);
+            assert!(want[..hidden].iter().all(|&v| v == 0.0));
+            let pool = ThreadPool::new(2);
+            let mut out = vec![f32::NAN; x.len()];
+            let s = moe_forward_skipping(&pool, &w, &x, &ids, &wts, &mut out).unwrap();
+            let same = out
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "T={t}");
+            let computed: Vec<i32> = ids.iter().copied().filter(|&i| i >= 0).collect();
+            let mut distinct = computed.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert!(!distinct.contains(&0) && all.contains(&0), "T={t}");
+            assert_eq!(
+                s,
+                MoeStats {
+                    routes: computed.len() as u64,
+                    experts: distinct.len() as u64,
+                    weight_bytes: distinct.len() as u64 * expert_bytes,
+                },
+                "T={t}"
+            );
+
+            // Every route skipped: zeros, nothing read.
+            let none = vec![SKIP_ROUTE; t * k];
+            let mut out = vec![f32::NAN; x.len()];
+            let s = moe_forward_skipping(&pool, &w, &x, &none, &wts, &mut out).unwrap();
+            assert!(out.iter().all(|&v| v == 0.0) && s == MoeStats::default());
+
+            // -1 without the flag, -2 with it: errors, the output untouched.
+            let mut out = vec![7.0; x.len()];
+            assert!(matches!(
+                moe_forward(&pool, &w, &x, &ids, &wts, &mut out),
+                Err(Error::InvalidInput(_))
+            ));
+            let mut bad = ids.clone();
+            bad[t * k - 1] = -2;
+            assert!(matches!(
+                moe_forward_skipping(&pool, &w, &x, &bad, &wts, &mut out),
+                Err(Error::InvalidInput(_))
+            ));
+            assert!(out.iter().all(|&v| v == 7.0));
         }
     }
 }

@@ -8,7 +8,10 @@ use freetoken_ggml::{Error, GgmlType, Result};
 use ft_core::counters::MoeCounters;
 use ft_core::experts::ExpertTensor;
 use ft_core::gguf::GgufFile;
-use ft_cpu::{moe_forward, Activation, Background, ExpertMats, MoeWeights, ThreadPool, Ticket};
+use ft_cpu::{
+    moe_forward, moe_forward_skipping, Activation, Background, ExpertMats, MoeWeights, ThreadPool,
+    Ticket,
+};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 
@@ -161,8 +164,13 @@ impl PyMoeLayer {
                 slice_mut::<f32>(args.out, args.x_len, "out")?,
             )
         };
-        let s = moe_forward(pool, &self.weights(), x, ids, w, out)?;
-        // An empty batch is not a step.
+        let s = if args.skip_negative {
+            moe_forward_skipping(pool, &self.weights(), x, ids, w, out)?
+        } else {
+            moe_forward(pool, &self.weights(), x, ids, w, out)?
+        };
+        // An empty batch (or one whose routes were all skipped) is not a step; skipped ids
+        // (-1) are not counted per expert.
         if s.routes > 0 {
             self.counters
                 .record(self.index, s.routes, s.experts, s.weight_bytes);
@@ -320,6 +328,7 @@ struct CallArgs {
     weights: usize,
     n_routes: usize,
     out: usize,
+    skip_negative: bool,
 }
 
 /// The CPU expert executor: its own thread pool (`--moe-cpu-threads`) and a background thread
@@ -379,7 +388,11 @@ impl PyMoeExecutor {
     }
 
     /// out[T, H] = the layer's routed experts on x[T, H] (`x_len` = T*H floats), ids and
-    /// weights `[T, k]` (`n_routes` = T*k), synchronously, without the GIL.
+    /// weights `[T, k]` (`n_routes` = T*k), synchronously, without the GIL. With
+    /// `skip_negative`, routes whose id is -1 are not computed (their weights ignored, a token
+    /// with none left gets zeros; the counters count the computed routes only); without it
+    /// every id out of range, -1 included, is an error.
+    #[pyo3(signature = (layer, x, x_len, ids, weights, n_routes, out, skip_negative=false))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -391,6 +404,7 @@ impl PyMoeExecutor {
         weights: usize,
         n_routes: usize,
         out: usize,
+        skip_negative: bool,
     ) -> PyResult<()> {
         let args = CallArgs {
             x,
@@ -399,12 +413,14 @@ impl PyMoeExecutor {
             weights,
             n_routes,
             out,
+            skip_negative,
         };
         py.detach(|| layer.run(&self.pool, &args)).py_err()
     }
 
     /// As `run`, on the background thread; `owners` (the tensors behind the addresses) stay
     /// alive until the ticket is waited for or dropped.
+    #[pyo3(signature = (layer, owners, x, x_len, ids, weights, n_routes, out, skip_negative=false))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -416,6 +432,7 @@ impl PyMoeExecutor {
         weights: usize,
         n_routes: usize,
         out: usize,
+        skip_negative: bool,
     ) -> PyMoeTicket {
         let args = CallArgs {
             x,
@@ -424,6 +441,7 @@ impl PyMoeExecutor {
             weights,
             n_routes,
             out,
+            skip_negative,
         };
         let pool = Arc::clone(&self.pool);
         let ticket = self
