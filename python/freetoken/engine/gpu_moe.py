@@ -19,6 +19,7 @@ without MMVQ/MMQ) stay on the CPU expert executor.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
             if end - start != m.nbytes * len(m.ranges):
                 continue  # per-expert tensors: left pageable
             if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
+                _clear_last_cuda_error()
                 ok = False
                 break
             registered.append(start)
@@ -148,6 +150,16 @@ def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
     keep = [ex.layer for ex in layers]  # the mapping outlives the registration
     weakref.finalize(owner, _unregister, registered, keep)
     return ok
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed runtime call leaves its error for the next cudaGetLastError, which torch's
+    next kernel-launch check would report as its own: read it off, in the libcudart torch
+    loaded (the one cudaHostRegister ran in)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def _unregister(addresses: list[int], _mapping_owners: list[Any]) -> None:
