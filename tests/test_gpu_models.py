@@ -158,6 +158,22 @@ def test_offload_cache_smaller_than_a_layer(model_files: dict[str, Path]) -> Non
     assert experts.uploaded_bytes > before
 
 
+def test_offload_adaptive_policy(model_files: dict[str, Path]) -> None:
+    """``--moe-cache-adaptive``: the offload pools evict by aged route counts, and decode
+    still matches the CPU."""
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    opts = EngineOptions(
+        device="cuda", moe_strategy="offload", moe_cache_mib=1, moe_cache_adaptive=True
+    )
+    llm = LLM(path, n_ctx=256, engine=opts)
+    for cache, _ in llm.placement.experts.of_layer.values():  # type: ignore[union-attr]
+        assert cache.policy == "adaptive"
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        _check("qwen3moe", "offload adaptive decode", ref, _decode_logits(llm, seq, first))
+
+
 def test_gpu_routes_counted(model_files: dict[str, Path]) -> None:
     """Routes computed on the GPU reach the engine's per-expert counters (profiles)."""
     llm = _gpu_llm(model_files["qwen3moe"], "gpu", "quant")

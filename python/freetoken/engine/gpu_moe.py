@@ -184,14 +184,18 @@ class _PlannedPools:
     bookkeeping, seeded with the plan's residents."""
 
     def __init__(
-        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
+        self,
+        layers: Sequence[ExpertLayer],
+        plan: CachePlan,
+        device: torch.device,
+        policy: str = "lru",
     ) -> None:
         self.device = device
         self.layers = {ex.index: ex for ex in layers}
         self.of_layer: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...]]] = {}
         self.uploaded_bytes = 0
         for pp in plan.pools:
-            cache = SlotCache(pp.n_slots, pp.n_experts)
+            cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
             pools = _pools(self.layers[pp.layers[0]], pp.n_slots, device)
             for li in pp.layers:
                 self.of_layer[li] = (cache, pools)
@@ -262,13 +266,17 @@ class _Staging:
 
 
 class OffloadExperts(_PlannedPools):
-    """The ``offload`` strategy: experts uploaded into LRU slot pools on demand (decode),
-    whole layers streamed double-buffered (prefill)."""
+    """The ``offload`` strategy: experts uploaded into slot pools on demand (decode; evicting
+    by ``policy``, ``lru`` or ``adaptive``), whole layers streamed double-buffered (prefill)."""
 
     def __init__(
-        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
+        self,
+        layers: Sequence[ExpertLayer],
+        plan: CachePlan,
+        device: torch.device,
+        policy: str = "lru",
     ) -> None:
-        super().__init__(layers, plan, device)
+        super().__init__(layers, plan, device, policy)
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
         self.pinned = pin_host_memory(layers, self)

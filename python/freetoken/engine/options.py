@@ -44,7 +44,8 @@ class EngineOptions:
     ``dense_weights``: ``quant`` (ggml-cuda MMVQ/MMQ on the GGUF types) or ``bf16``.
     ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
-    them. ``moe_cpu_threads``: the CPU expert executor's threads."""
+    them; ``moe_cache_adaptive`` evicts by aged route counts instead of recency.
+    ``moe_cpu_threads``: the CPU expert executor's threads."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -52,6 +53,7 @@ class EngineOptions:
     moe_cache_mib: int | None = None
     moe_cache_scope: str = "type"
     moe_cache_profile: str | None = None
+    moe_cache_adaptive: bool = False
     moe_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-cache-scope", choices=CACHE_SCOPES, default="type")
     g.add_argument("--moe-cache-profile", default=None, help="expert-use profile (JSON)")
     g.add_argument(
+        "--moe-cache-adaptive",
+        action="store_true",
+        help="evict the least used experts (aged route counts) instead of the least recent",
+    )
+    g.add_argument(
         "--dense-weights", choices=DENSE_MODES, default="quant", help="GPU dense products"
     )
 
@@ -99,6 +106,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_mib=args.moe_cache_mib,
         moe_cache_scope=args.moe_cache_scope,
         moe_cache_profile=args.moe_cache_profile,
+        moe_cache_adaptive=args.moe_cache_adaptive,
         moe_cpu_threads=args.moe_cpu_threads,
     )
 
@@ -145,4 +153,5 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         cache_mib=opts.moe_cache_mib,
         cache_scope=opts.moe_cache_scope,
         cache_profile=opts.moe_cache_profile,
+        cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
     )

@@ -127,6 +127,7 @@ def place_on_gpu(
     cache_mib: int | None = None,
     cache_scope: str = "type",
     cache_profile: Any = None,
+    cache_policy: str = "lru",
     device: torch.device | str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Placement:
@@ -167,7 +168,16 @@ def place_on_gpu(
     experts: ResidentExperts | OffloadExperts | None = None
     if servable:
         experts, place.strategy = _experts(
-            servable, strategy, n_ctx, cache_mib, cache_scope, cache_profile, model, dev, place
+            servable,
+            strategy,
+            n_ctx,
+            cache_mib,
+            cache_scope,
+            cache_profile,
+            cache_policy,
+            model,
+            dev,
+            place,
         )
         place.expert_bytes = experts.nbytes
         place.experts = experts
@@ -203,6 +213,7 @@ def _experts(
     cache_mib: int | None,
     scope: str,
     profile: Any,
+    policy: str,
     model: Transformer,
     dev: torch.device,
     place: Placement,
@@ -240,7 +251,7 @@ def _experts(
     if strategy == "gpu":
         return ResidentExperts(layers, plan, dev), strategy
     place.notes.append(plan.explanation)
-    experts = OffloadExperts(layers, plan, dev)
+    experts = OffloadExperts(layers, plan, dev, policy)
     if not experts.pinned:
         place.notes.append("expert memory could not be pinned: uploads are synchronous")
     return experts, strategy
