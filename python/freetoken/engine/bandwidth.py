@@ -393,7 +393,7 @@ def _gpu_part(
         "pcie_bulk": bulk.to_json(),
         "pcie_source": where,
     }
-    if not gpu_servable(ex, 1):
+    if not gpu_servable(ex):
         out["gpu_detail"] = "no GPU kernel for this layer (types, activation or biases)"
         return out
     loop = GpuLoop(ex, device)

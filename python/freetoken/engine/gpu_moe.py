@@ -118,11 +118,12 @@ class ExpertLayer:
         return torch.cat([gpu.host_tensor(a, n, self.layer) for a, n in parts])
 
 
-def gpu_servable(ex: ExpertLayer, n_tokens: int = 1) -> bool:
-    """Whether ggml-cuda's kernels serve this layer at ``n_tokens`` (act, biases, types)."""
+def gpu_servable(ex: ExpertLayer) -> bool:
+    """Whether ggml-cuda's kernels serve this layer (act, biases, types) at every batch size:
+    MMVQ for decode and MMQ above (IQ1_M has MMVQ only, so its layers stay on the CPU)."""
     if ex.layer.act not in ("silu", "gelu") or ex.layer.has_biases:
         return False
-    return all(gpu.kernel_for(m.qtype, n_tokens) for m in ex.kinds)
+    return all(gpu.kernel_for(m.qtype, t) for m in ex.kinds for t in (1, MAX_SLOT_TOKENS + 1))
 
 
 def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:

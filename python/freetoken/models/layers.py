@@ -23,7 +23,6 @@ __all__ = [
     "HeadwiseLinear",
     "Linear",
     "RopeScaling",
-    "apply_rope",
     "attention",
     "default_attn_scale",
     "linear_group",
@@ -279,22 +278,6 @@ def rotate(
     r2 = x2 * cos + x1 * sin
     rotated = torch.cat([r1, r2], -1) if neox else torch.stack([r1, r2], -1).flatten(-2)
     return torch.cat([rotated, x[..., n_rot:]], -1) if n_rot < x.shape[-1] else rotated
-
-
-def apply_rope(
-    x: torch.Tensor,
-    pos: torch.Tensor,
-    base: float,
-    n_rot: int,
-    scale: float,
-    neox: bool,
-    freq_factors: torch.Tensor | None = None,
-    yarn: RopeScaling | None = None,
-) -> torch.Tensor:
-    """Rotates the first ``n_rot`` dims of ``x [T, H, D]`` by position (:func:`rope_cos_sin`
-    then :func:`rotate`)."""
-    cos, sin = rope_cos_sin(pos, base, n_rot, scale, x.dtype, freq_factors, yarn)
-    return rotate(x, cos, sin, n_rot, neox)
 
 
 def attention(
