@@ -1,11 +1,12 @@
-"""Whole MoE models on the GPU (``--moe-strategy gpu`` and ``offload``) against the same
+"""Whole MoE models on the GPU (``--moe-strategy gpu``, ``offload``, ``hybrid``) against the same
 models CPU-only, teacher-forced: on the CPU run's greedy continuation, the GPU's argmax equals
 the CPU's except at the CPU's near-ties, and the mean KL(CPU || GPU) is at most 0.005.
 
 Each model is checked twice per strategy: the whole sequence as one prompt (prefill: MMQ on
 resident pools, or whole expert layers streamed double-buffered for ``offload``) and one
 token at a time (decode: replayed CUDA graphs for ``gpu``; LRU slot placement and uploads
-for ``offload``, with a cache smaller than one layer's experts). The families cover shared
+for ``offload``, with a cache smaller than one layer's experts; for ``hybrid`` the same small
+cache, hits on the GPU and misses on the CPU inside replayed graphs). The families cover shared
 experts (qwen2moe), the per-expert layout (Mixtral), different types across layers and for
 gate, up and down (mixed), sigmoid and grouped routing with MLA attention (deepseek2,
 glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor (gpt-oss's
@@ -70,7 +71,7 @@ MODELS = {
 #: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
 FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
 
-STRATEGIES = [("gpu", "quant"), ("offload", "quant")]
+STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant")]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +115,8 @@ def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
 
 
 def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
-    # 1 MiB of slots: fewer than one layer's experts on these models (the offload case).
-    mib = 1 if strategy == "offload" else None
+    # 1 MiB of slots: fewer than one layer's experts on these models.
+    mib = 1 if strategy in ("offload", "hybrid") else None
     opts = EngineOptions(
         device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib
     )
@@ -181,3 +182,34 @@ def test_gpu_routes_counted(model_files: dict[str, Path]) -> None:
     llm.logits(tokens)
     counts = llm.model.moe.collect().expert_counts()  # type: ignore[union-attr]
     assert [sum(c) for c in counts] == [len(tokens) * 4] * 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_hybrid_splits_prompts_and_fills(
+    policy: str, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hybrid`` with prompts split too (not streamed): prefill and decode match the CPU;
+    both halves computed routes, free slots were filled between steps, and with the
+    adaptive policy the full pools swapped experts in."""
+    from freetoken.engine import hybrid
+
+    monkeypatch.setattr(hybrid, "MAX_SLOT_TOKENS", hybrid.MAX_TOKENS)
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    opts = EngineOptions(
+        device="cuda",
+        moe_strategy="hybrid",
+        moe_cache_mib=1,
+        moe_cache_adaptive=policy == "adaptive",
+    )
+    llm = LLM(path, n_ctx=256, engine=opts)
+    assert llm.placement is not None and llm.placement.graphs
+    experts = llm.placement.experts
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        _check("qwen3moe", f"hybrid {policy} split prefill", ref, llm.logits(seq)[first:-1].numpy())
+        _check("qwen3moe", f"hybrid {policy} decode", ref, _decode_logits(llm, seq, first))
+    st = experts.stats()
+    assert 0 < st.hits.sum() < st.routes.sum(), st
+    assert st.answered > 0 and st.fills > 0, st
+    assert (st.swaps > 0) == (policy == "adaptive"), st

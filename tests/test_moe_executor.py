@@ -62,6 +62,7 @@ activation type, a lost bias or route would all show far above that.
 from __future__ import annotations
 
 import gc
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1039,3 +1040,50 @@ def test_moe_ffn(pair: Pair, executor: _core.MoeExecutor) -> None:
     ids, w = route(x @ router_w.T, routing)
     check(out - 0.5 * x.numpy(), x.numpy(), ids.numpy(), w.numpy(), ex)
     assert Snap(*counters.snapshot()[1][:7]).last_routes == 17 * 4
+
+
+# -- the GPU hand-off's host half ----------------------------------------------------------
+
+
+def test_handoff_serves_missed_routes(pair: Pair, executor: _core.MoeExecutor) -> None:
+    """``serve_handoffs`` (hybrid's CPU half), with this thread playing the GPU's kernels on
+    the block: each request (layer, tokens) is answered in order with the reference over the
+    routes whose expert is not resident, written into ``out``; the layer counters are left to
+    the GPU; a bad request is still answered (the GPU must not wait), flagged in the error
+    word and raised by the ticket after the stop word."""
+    max_t, k, n_experts = 8, 8, 16
+    block = np.zeros(8, dtype=np.int64)
+    x = np.zeros((max_t, H), dtype=np.float32)
+    out = np.zeros((max_t, H), dtype=np.float32)
+    ids = np.zeros((2, max_t, k), dtype=np.int32)
+    w = np.zeros((2, max_t, k), dtype=np.float32)
+    rng = np.random.default_rng(77)
+    resident = np.where(rng.random((2, n_experts)) < 0.4, 1, -1).astype(np.int32)
+    counters = _core.MoeCounters(2)
+    layers = [open_layer(pair.file, i, counters, pair.experts[i]) for i in (0, 1)]
+    bufs = (block, x, out, ids, w, resident)
+    ticket = executor.serve_handoffs(layers, bufs, *(b.ctypes.data for b in bufs), max_t, k)
+
+    def request(seq: int, layer: int, t: int) -> None:
+        block[2] = (t << 32) | layer
+        block[0] = seq
+        deadline = time.monotonic() + 30
+        while block[1] < seq:
+            assert time.monotonic() < deadline, "no answer"
+
+    for seq, (li, t) in enumerate([(0, 1), (1, 8), (0, 3)], start=1):
+        xs = tokens(rng, t)
+        r_ids, r_w = routes(rng, t, n_experts, k)
+        x[:t], ids[li, :t], w[li, :t] = xs, r_ids, r_w
+        request(seq, li, t)
+        miss = resident[li][r_ids] < 0
+        rows = miss.any(axis=1)
+        assert (out[:t][~rows] == 0).all()
+        check(out[:t][rows], xs[rows], r_ids[rows], np.where(miss, r_w, 0)[rows], pair.experts[li])
+    request(4, 2, 1)  # no layer 2
+    assert block[4] == 4
+    block[5] = 1
+    with pytest.raises(InvalidInputError, match="layer 2"):
+        ticket.wait()
+    assert block[6] == 4 and block[1] == 4
+    assert not any(any(c) for c in counters.expert_counts())

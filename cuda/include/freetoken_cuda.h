@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 1
+#define FT_CUDA_ABI_VERSION 2
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -102,8 +102,46 @@ typedef struct ft_cuda_moe_args {
     uint32_t reserved1;
 } ft_cuda_moe_args;
 
+/* The hand-off between the GPU and a host thread (hybrid MoE, docs/hybrid.md): a block of
+ * FT_CUDA_HANDOFF_WORDS int64 words in mapped page-locked host memory, and an int64 sequence
+ * counter in device memory (zero at start, kept by the device so that a replayed CUDA graph
+ * counts on). `signal` adds one to the counter, writes `tag` then the new count to the block:
+ * everything the stream wrote before it (its copies of activations and routes) is then
+ * visible to the host. `wait_add` spins until the host's answer reaches the counter, then
+ * adds `n` floats of mapped host memory at `src` into device memory `dst`; after `timeout_ns`
+ * without an answer it writes the count into FT_CUDA_HANDOFF_TIMEOUT and adds nothing. */
+#define FT_CUDA_HANDOFF_WORDS 8
+#define FT_CUDA_HANDOFF_GPU_SEQ 0 /* written by signal: the latest request */
+#define FT_CUDA_HANDOFF_CPU_SEQ 1 /* written by the host: the latest answer */
+#define FT_CUDA_HANDOFF_TAG 2     /* written by signal: what the request is about */
+#define FT_CUDA_HANDOFF_TIMEOUT 3 /* written by wait_add: the request it gave up on */
+#define FT_CUDA_HANDOFF_ERROR 4   /* written by the host: a request it could not answer */
+#define FT_CUDA_HANDOFF_STOP 5    /* written by the host: its thread may return when idle */
+#define FT_CUDA_HANDOFF_ANSWERED 6 /* host only: requests answered */
+#define FT_CUDA_HANDOFF_BUSY_NS 7  /* host only: nanoseconds spent answering */
+
+enum ft_cuda_handoff_op {
+    FT_CUDA_HANDOFF_SIGNAL = 0,
+    FT_CUDA_HANDOFF_WAIT_ADD = 1,
+};
+
+typedef struct ft_cuda_handoff_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t op;       /* an ft_cuda_handoff_op */
+    int64_t *counter; /* device memory, one int64 */
+    int64_t *block;   /* registered (cudaHostRegisterMapped) host memory, FT_CUDA_HANDOFF_WORDS */
+    int64_t tag;      /* signal */
+    const float *src; /* wait_add: registered host memory, n floats */
+    float *dst;       /* wait_add: device memory, n floats */
+    int64_t n;
+    uint64_t timeout_ns;
+    void *stream;
+} ft_cuda_handoff_args;
+
 uint32_t ft_cuda_abi_version(void);
-/* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args; 0 if unknown. */
+/* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args;
+ * 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -112,6 +150,7 @@ int32_t ft_cuda_device_info_get(int32_t device, ft_cuda_device_info *out);
 int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tokens);
 int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args);
 int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
+int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

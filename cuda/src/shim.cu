@@ -489,6 +489,96 @@ static int32_t moe_layer_locked(const ft_cuda_moe_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "moe_layer");
 }
 
+// ---- Hand-off with a host thread (hybrid MoE) ----
+
+static __device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+static __global__ void handoff_signal_kernel(int64_t *counter, volatile int64_t *block, int64_t tag) {
+    const int64_t seq = *counter + 1;
+    *counter = seq;
+    block[FT_CUDA_HANDOFF_TAG] = tag;
+    __threadfence_system();  // the tag (and the stream's earlier copies) before the request
+    block[FT_CUDA_HANDOFF_GPU_SEQ] = seq;
+    __threadfence_system();
+}
+
+static __global__ void handoff_wait_add_kernel(const int64_t *counter, volatile int64_t *block, const float *src,
+                                               float *dst, int64_t n, uint64_t timeout_ns) {
+    __shared__ int answered;
+    if (threadIdx.x == 0) {
+        const int64_t seq = *counter;
+        const uint64_t start = global_ns();
+        int ok = 1;
+        while (block[FT_CUDA_HANDOFF_CPU_SEQ] < seq) {
+            if (global_ns() - start > timeout_ns) {
+                block[FT_CUDA_HANDOFF_TIMEOUT] = seq;
+                ok = 0;
+                break;
+            }
+            __nanosleep(64);
+        }
+        __threadfence_system();
+        answered = ok;
+    }
+    __syncthreads();
+    if (!answered) {
+        return;
+    }
+    const volatile float *s = src;  // host memory the host just wrote: never a cached copy
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        dst[i] += s[i];
+    }
+}
+
+// The device address of registered host memory (an error when it is not registered mapped).
+static int32_t mapped(const void *host, void **dev, const char *what) {
+    const cudaError_t err = cudaHostGetDevicePointer(dev, const_cast<void *>(host), 0);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return fail(FT_CUDA_EINVAL, "%s: not mapped page-locked host memory (%s)", what, cudaGetErrorString(err));
+    }
+    return FT_CUDA_OK;
+}
+
+static int32_t handoff_locked(const ft_cuda_handoff_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.counter == nullptr || a.block == nullptr) {
+        return fail(FT_CUDA_EINVAL, "handoff: counter and block must be non-null");
+    }
+    device_guard dg(a.device);
+    void *block = nullptr;
+    if ((rc = mapped(a.block, &block, "handoff block")) != FT_CUDA_OK) {
+        return rc;
+    }
+    cudaGetLastError();
+    const cudaStream_t stream = as_stream(a.stream);
+    if (a.op == FT_CUDA_HANDOFF_SIGNAL) {
+        handoff_signal_kernel<<<1, 1, 0, stream>>>(a.counter, (volatile int64_t *)block, a.tag);
+    } else if (a.op == FT_CUDA_HANDOFF_WAIT_ADD) {
+        if (a.src == nullptr || a.dst == nullptr || a.n < 1 || a.n > MAX_ELEMENTS) {
+            return fail(FT_CUDA_EINVAL, "handoff wait_add: src and dst non-null, n=%lld in 1..2^31",
+                        (long long)a.n);
+        }
+        void *src = nullptr;
+        if ((rc = mapped(a.src, &src, "handoff src")) != FT_CUDA_OK) {
+            return rc;
+        }
+        handoff_wait_add_kernel<<<1, 1024, 0, stream>>>(a.counter, (volatile int64_t *)block, (const float *)src,
+                                                        a.dst, a.n, a.timeout_ns);
+    } else {
+        return fail(FT_CUDA_EINVAL, "handoff: unknown op %d", a.op);
+    }
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff");
+}
+
 FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
 
 FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
@@ -496,6 +586,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 0: return sizeof(ft_cuda_device_info);
         case 1: return sizeof(ft_cuda_matmul_args);
         case 2: return sizeof(ft_cuda_moe_args);
+        case 3: return sizeof(ft_cuda_handoff_args);
         default: return 0;
     }
 }
@@ -566,3 +657,11 @@ FT_EXPORT int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args) {
 }
 
 FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }
+
+FT_EXPORT int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_handoff_args)) {
+        return fail(FT_CUDA_EINVAL, "handoff: null or wrong struct_size (want %zu)", sizeof(ft_cuda_handoff_args));
+    }
+    return handoff_locked(*args);
+}

@@ -1,13 +1,16 @@
 //! ft-cpu: the CPU executor. A persistent thread pool, the quantized product over
-//! ggml-cpu's row kernels, and the expert executor with its background submit / wait.
+//! ggml-cpu's row kernels, the expert executor with its background submit / wait, and the
+//! host half of the GPU hand-off (hybrid MoE).
 
 mod background;
+mod handoff;
 mod kernels;
 mod matmul;
 mod moe;
 mod pool;
 
 pub use background::{Background, Ticket};
+pub use handoff::{missed_routes, HandoffBlock, Request as HandoffRequest, WORDS as HANDOFF_WORDS};
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{
     moe_forward, moe_forward_skipping, Activation, ExpertMats, MoeStats, MoeWeights, SKIP_ROUTE,

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// The library's file name.
 pub const LIB_NAME: &str = "libfreetoken_cuda.so";
 /// The environment variable naming the library (or its folder).
@@ -96,6 +96,21 @@ struct RawMoeArgs {
     reserved1: u32,
 }
 
+#[repr(C)]
+struct RawHandoffArgs {
+    struct_size: u64,
+    device: i32,
+    op: i32,
+    counter: *mut i64,
+    block: *mut i64,
+    tag: i64,
+    src: *const f32,
+    dst: *mut f32,
+    n: i64,
+    timeout_ns: u64,
+    stream: *mut c_void,
+}
+
 type FnAbiVersion = unsafe extern "C" fn() -> u32;
 type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -103,6 +118,7 @@ type FnDeviceInfo = unsafe extern "C" fn(i32, *mut RawDeviceInfo) -> i32;
 type FnKernelFor = unsafe extern "C" fn(i32, i32, i64) -> i32;
 type FnMatmul = unsafe extern "C" fn(*const RawMatmulArgs) -> i32;
 type FnMoe = unsafe extern "C" fn(*const RawMoeArgs) -> i32;
+type FnHandoff = unsafe extern "C" fn(*const RawHandoffArgs) -> i32;
 type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// The library's entry points. The handle is never closed: the library holds CUDA state
@@ -112,6 +128,7 @@ struct Api {
     kernel_for: FnKernelFor,
     expert_matmul: FnMatmul,
     moe_layer: FnMoe,
+    handoff: FnHandoff,
     last_error: FnLastError,
 }
 
@@ -355,6 +372,11 @@ impl Cuda {
                     std::mem::size_of::<RawMatmulArgs>(),
                 ),
                 (2, "ft_cuda_moe_args", std::mem::size_of::<RawMoeArgs>()),
+                (
+                    3,
+                    "ft_cuda_handoff_args",
+                    std::mem::size_of::<RawHandoffArgs>(),
+                ),
             ] {
                 let got = struct_size(which);
                 if got != want as u64 {
@@ -367,6 +389,7 @@ impl Cuda {
                 kernel_for: symbol(handle, "ft_cuda_kernel_for")?,
                 expert_matmul: symbol(handle, "ft_cuda_expert_matmul")?,
                 moe_layer: symbol(handle, "ft_cuda_moe_layer")?,
+                handoff: symbol(handle, "ft_cuda_handoff")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
@@ -563,7 +586,91 @@ impl Cuda {
         }
         Ok(())
     }
+
+    /// Queues a hand-off request on `h.stream` (`freetoken_cuda.h`, "hand-off"): the device
+    /// counter goes up by one and the block says so, with `tag`.
+    pub fn handoff_signal(&self, h: &Handoff, tag: i64) -> Result<()> {
+        self.handoff(h, 0, tag, 0, 0, 0, 0)
+    }
+
+    /// Queues the wait for the host's answer to the latest request on `h.stream`, then
+    /// `dst[..n] += src[..n]` (`src` mapped host memory, `dst` device memory); after
+    /// `timeout_ns` without an answer the block's timeout word is set and nothing is added.
+    pub fn handoff_wait_add(
+        &self,
+        h: &Handoff,
+        src: usize,
+        dst: usize,
+        n: usize,
+        timeout_ns: u64,
+    ) -> Result<()> {
+        check_addrs(&[("src", src), ("dst", dst)])?;
+        if n == 0 || n > i32::MAX as usize {
+            return Err(Error::Shape(format!(
+                "hand-off of {n} floats: must be 1..2^31"
+            )));
+        }
+        self.handoff(h, 1, 0, src, dst, n, timeout_ns)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn handoff(
+        &self,
+        h: &Handoff,
+        op: i32,
+        tag: i64,
+        src: usize,
+        dst: usize,
+        n: usize,
+        timeout_ns: u64,
+    ) -> Result<()> {
+        self.check_device(h.device)?;
+        for (what, a) in [("counter", h.counter), ("block", h.block)] {
+            if a == 0 || !a.is_multiple_of(8) {
+                return Err(Error::InvalidInput(format!(
+                    "hand-off {what}: address {a:#x} is null or not 8-byte aligned"
+                )));
+            }
+        }
+        let raw = RawHandoffArgs {
+            struct_size: std::mem::size_of::<RawHandoffArgs>() as u64,
+            device: h.device,
+            op,
+            counter: h.counter as *mut i64,
+            block: h.block as *mut i64,
+            tag,
+            src: src as *const f32,
+            dst: dst as *mut f32,
+            n: n as i64,
+            timeout_ns,
+            stream: h.stream as *mut c_void,
+        };
+        // SAFETY: the library checks that the block and src are registered host memory and
+        // only queues kernels; the caller owns the memory for as long as they run.
+        let rc = unsafe { (self.api.handoff)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
 }
+
+/// Where a hand-off lives: a device counter (one int64), a block of
+/// [`HANDOFF_WORDS`] int64 words of mapped page-locked host memory, the stream.
+#[derive(Debug, Clone, Copy)]
+pub struct Handoff {
+    /// CUDA device index.
+    pub device: i32,
+    /// Device address of the int64 sequence counter.
+    pub counter: usize,
+    /// Host address of the block.
+    pub block: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
+}
+
+/// int64 words of a hand-off block (`FT_CUDA_HANDOFF_WORDS`).
+pub const HANDOFF_WORDS: usize = 8;
 
 /// Bytes a pool of `n_slots` matrices of `n` rows of `k` elements needs on the GPU: the
 /// matrices, then a zeroed tail covering ggml-cuda's reads past the last row (up to the next
@@ -695,6 +802,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<RawMoeArgs>(),
             8 + 8 + 40 + 16 + 48 + 40 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawHandoffArgs>(),
+            8 + 8 + 16 + 8 + 16 + 16 + 8
         );
     }
 

@@ -4,7 +4,7 @@
 
 use crate::errors::IntoPy;
 use freetoken_ggml::GgmlType;
-use ft_cuda::{Activation, ExpertMatmul, Kernel, MoeLayer};
+use ft_cuda::{Activation, ExpertMatmul, Handoff, Kernel, MoeLayer};
 use pyo3::prelude::*;
 
 /// Registers this module's functions on `_core`.
@@ -15,6 +15,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_pool_nbytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_expert_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_moe_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_handoff_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_handoff_wait_add, m)?)?;
     Ok(())
 }
 
@@ -153,4 +155,50 @@ pub fn cuda_moe_layer(
         accumulate,
     };
     py.detach(|| ft_cuda::runtime()?.moe_layer(&args)).py_err()
+}
+
+/// Queues a hand-off request (`ft_cuda::Cuda::handoff_signal`): `counter` a device int64,
+/// `block` mapped host memory of `ft_cuda::HANDOFF_WORDS` int64.
+#[pyfunction]
+pub fn cuda_handoff_signal(
+    device: i32,
+    counter: usize,
+    block: usize,
+    stream: usize,
+    tag: i64,
+) -> PyResult<()> {
+    let h = Handoff {
+        device,
+        counter,
+        block,
+        stream,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.handoff_signal(&h, tag))
+        .py_err()
+}
+
+/// Queues the wait for the host's answer, then `dst[..n] += src[..n]`
+/// (`ft_cuda::Cuda::handoff_wait_add`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_handoff_wait_add(
+    device: i32,
+    counter: usize,
+    block: usize,
+    stream: usize,
+    src: usize,
+    dst: usize,
+    n: usize,
+    timeout_ns: u64,
+) -> PyResult<()> {
+    let h = Handoff {
+        device,
+        counter,
+        block,
+        stream,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.handoff_wait_add(&h, src, dst, n, timeout_ns))
+        .py_err()
 }

@@ -9,8 +9,8 @@ use ft_core::counters::MoeCounters;
 use ft_core::experts::ExpertTensor;
 use ft_core::gguf::GgufFile;
 use ft_cpu::{
-    moe_forward, moe_forward_skipping, Activation, Background, ExpertMats, MoeWeights, ThreadPool,
-    Ticket,
+    missed_routes, moe_forward, moe_forward_skipping, Activation, Background, ExpertMats,
+    HandoffBlock, MoeWeights, ThreadPool, Ticket,
 };
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
@@ -171,7 +171,7 @@ impl PyMoeLayer {
         };
         // An empty batch (or one whose routes were all skipped) is not a step; skipped ids
         // (-1) are not counted per expert.
-        if s.routes > 0 {
+        if args.record && s.routes > 0 {
             self.counters
                 .record(self.index, s.routes, s.experts, s.weight_bytes);
             self.counters
@@ -329,6 +329,9 @@ struct CallArgs {
     n_routes: usize,
     out: usize,
     skip_negative: bool,
+    /// Count the call in the layer's counters (the hybrid hand-off does not: the GPU counts
+    /// every route of its layers).
+    record: bool,
 }
 
 /// The CPU expert executor: its own thread pool (`--moe-cpu-threads`) and a background thread
@@ -414,6 +417,7 @@ impl PyMoeExecutor {
             n_routes,
             out,
             skip_negative,
+            record: true,
         };
         py.detach(|| layer.run(&self.pool, &args)).py_err()
     }
@@ -442,6 +446,7 @@ impl PyMoeExecutor {
             n_routes,
             out,
             skip_negative,
+            record: true,
         };
         let pool = Arc::clone(&self.pool);
         let ticket = self
@@ -451,5 +456,107 @@ impl PyMoeExecutor {
             ticket: Mutex::new(Some(ticket)),
             _owners: owners,
         }
+    }
+
+    /// Serves GPU hand-off requests (`ft_cpu::HandoffBlock`, docs/hybrid.md) on the background
+    /// thread until the block's stop word is set: request (layer `l`, `t` tokens) computes
+    /// `layers[l]`'s routes whose expert is not resident (`resident[l, e]` < 0) on
+    /// `x[:t]` into `out[:t]`. Buffers (addresses of memory `owners` keeps alive): `block`
+    /// int64[8]; `x`, `out` float32 `[max_tokens, hidden]`; `ids` int32 and `weights` float32
+    /// `[len(layers), max_tokens, top_k]`; `resident` int32 `[len(layers), n_experts]`, not
+    /// changed while serving.
+    #[pyo3(signature = (layers, owners, block, x, out, ids, weights, resident, max_tokens, top_k))]
+    #[allow(clippy::too_many_arguments)]
+    fn serve_handoffs(
+        &self,
+        py: Python<'_>,
+        layers: Vec<Py<PyMoeLayer>>,
+        owners: Py<PyAny>,
+        block: usize,
+        x: usize,
+        out: usize,
+        ids: usize,
+        weights: usize,
+        resident: usize,
+        max_tokens: usize,
+        top_k: usize,
+    ) -> PyResult<PyMoeTicket> {
+        let first = layers
+            .first()
+            .ok_or_else(|| to_py(Error::InvalidInput("no layers to serve".into())))?;
+        let (hidden, n_experts) = (first.get().up.k, first.get().up.n_experts());
+        for l in &layers {
+            let l = l.get();
+            if l.up.k != hidden || l.up.n_experts() != n_experts {
+                return Err(to_py(Error::Shape(format!(
+                    "layer {} is hidden {} x {} experts, layer {} {hidden} x {n_experts}: one \
+                     hand-off serves layers of one shape",
+                    l.index,
+                    l.up.k,
+                    l.up.n_experts(),
+                    first.get().index
+                ))));
+            }
+        }
+        if max_tokens == 0 || top_k == 0 {
+            return Err(to_py(Error::Shape(
+                "max_tokens and top_k must be positive".into(),
+            )));
+        }
+        let n_layers = layers.len();
+        let per_layer = max_tokens * top_k;
+        // The buffers' sizes, checked once here (the job takes sub-slices of them).
+        // SAFETY: the addresses come from live arrays `owners` keeps until the ticket is done.
+        unsafe {
+            slice::<i64>(block, ft_cpu::HANDOFF_WORDS, "block").py_err()?;
+            slice::<f32>(x, max_tokens * hidden, "x").py_err()?;
+            slice::<f32>(out, max_tokens * hidden, "out").py_err()?;
+            slice::<i32>(ids, n_layers * per_layer, "ids").py_err()?;
+            slice::<f32>(weights, n_layers * per_layer, "weights").py_err()?;
+            slice::<i32>(resident, n_layers * n_experts, "resident").py_err()?;
+        }
+        let layers: Vec<Py<PyMoeLayer>> = layers.into_iter().map(|l| l.clone_ref(py)).collect();
+        let pool = Arc::clone(&self.pool);
+        let job = move || -> Result<()> {
+            // SAFETY: checked above; the owners outlive the job.
+            let (hb, resident) = unsafe {
+                (
+                    HandoffBlock::from_raw(block)?,
+                    slice::<i32>(resident, n_layers * n_experts, "resident")?,
+                )
+            };
+            let mut routes = vec![0i32; per_layer];
+            hb.serve(|r| {
+                if r.layer >= n_layers || r.n_tokens == 0 || r.n_tokens > max_tokens {
+                    return Err(Error::InvalidInput(format!(
+                        "hand-off request for layer {} with {} tokens ({n_layers} layers, at \
+                         most {max_tokens} tokens)",
+                        r.layer, r.n_tokens
+                    )));
+                }
+                let n = r.n_tokens * top_k;
+                let at = (r.layer * per_layer) * 4;
+                // SAFETY: within the checked `ids` buffer; the GPU wrote it before the request.
+                let req = unsafe { slice::<i32>(ids + at, n, "ids")? };
+                let row = &resident[r.layer * n_experts..(r.layer + 1) * n_experts];
+                missed_routes(req, row, &mut routes[..n])?;
+                let args = CallArgs {
+                    x,
+                    x_len: r.n_tokens * hidden,
+                    ids: routes.as_ptr() as usize,
+                    weights: weights + at,
+                    n_routes: n,
+                    out,
+                    skip_negative: true,
+                    record: false,
+                };
+                layers[r.layer].get().run(&pool, &args)
+            })
+            .map(|_| ())
+        };
+        Ok(PyMoeTicket {
+            ticket: Mutex::new(Some(self.background.submit(job))),
+            _owners: owners,
+        })
     }
 }

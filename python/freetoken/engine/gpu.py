@@ -30,6 +30,8 @@ __all__ = [
     "available",
     "device_info",
     "expert_matmul",
+    "handoff_signal",
+    "handoff_wait_add",
     "host_tensor",
     "kernel_for",
     "moe_layer",
@@ -310,3 +312,38 @@ def moe_layer(
         accumulate,
     )
     return out
+
+
+def handoff_signal(counter: torch.Tensor, block: int, tag: int) -> None:
+    """Queues a hand-off request on the current stream (``freetoken_cuda.h``, "hand-off"):
+    ``counter`` (a one-element int64 CUDA tensor) goes up by one and the mapped host block at
+    ``block`` says so, with ``tag``. Copies queued before it are visible to the host by then."""
+    dev = counter.device
+    _check(counter, "counter", torch.int64, (1,), dev)
+    _core.cuda_handoff_signal(_device_index(counter), counter.data_ptr(), block, _stream(dev), tag)
+
+
+def handoff_wait_add(
+    counter: torch.Tensor, block: int, src: torch.Tensor, dst: torch.Tensor, timeout_s: float
+) -> None:
+    """Queues, on the current stream, the wait for the host's answer to the latest request,
+    then ``dst += src`` (``src`` a CPU tensor in mapped page-locked memory, ``dst`` on the
+    device, both float32 of one size). Without an answer in ``timeout_s`` the block's timeout
+    word is set and nothing is added."""
+    dev = counter.device
+    _check(counter, "counter", torch.int64, (1,), dev)
+    _check(dst, "dst", torch.float32, tuple(dst.shape), dev)
+    if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+        raise InvalidInputError("src must be a contiguous float32 CPU tensor")
+    if src.shape != dst.shape:
+        raise ShapeError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} differ")
+    _core.cuda_handoff_wait_add(
+        _device_index(counter),
+        counter.data_ptr(),
+        block,
+        _stream(dev),
+        src.data_ptr(),
+        dst.data_ptr(),
+        dst.numel(),
+        int(timeout_s * 1e9),
+    )

@@ -142,18 +142,18 @@ def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
             if end - start != m.nbytes * len(m.ranges):
                 continue  # per-expert tensors: left pageable
             if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
-                _clear_last_cuda_error()
+                clear_last_cuda_error()
                 ok = False
                 break
             registered.append(start)
         if not ok:
             break
     keep = [ex.layer for ex in layers]  # the mapping outlives the registration
-    weakref.finalize(owner, _unregister, registered, keep)
+    weakref.finalize(owner, unregister_host_memory, registered, keep)
     return ok
 
 
-def _clear_last_cuda_error() -> None:
+def clear_last_cuda_error() -> None:
     """A failed runtime call leaves its error for the next cudaGetLastError, which torch's
     next kernel-launch check would report as its own: read it off, in the libcudart torch
     loaded (the one cudaHostRegister ran in)."""
@@ -163,7 +163,9 @@ def _clear_last_cuda_error() -> None:
         ctypes.CDLL(path).cudaGetLastError()
 
 
-def _unregister(addresses: list[int], _mapping_owners: list[Any]) -> None:
+def unregister_host_memory(addresses: list[int], _mapping_owners: list[Any]) -> None:
+    """Undoes cudaHostRegister of ``addresses`` (the owners keep the memory mapped until
+    then)."""
     cudart = torch.cuda.cudart()
     for addr in addresses:
         cudart.cudaHostUnregister(addr)
@@ -182,7 +184,8 @@ def _pools(
 
 class _PlannedPools:
     """The slot pools of a :class:`~freetoken.engine.slots.CachePlan`, each with its LRU
-    bookkeeping, seeded with the plan's residents."""
+    bookkeeping, seeded with the plan's residents; ``extra_slots`` zeroed slots follow each
+    pool's own (the bookkeeping never gives them out)."""
 
     def __init__(
         self,
@@ -190,6 +193,7 @@ class _PlannedPools:
         plan: CachePlan,
         device: torch.device,
         policy: str = "lru",
+        extra_slots: int = 0,
     ) -> None:
         self.device = device
         self.layers = {ex.index: ex for ex in layers}
@@ -197,7 +201,7 @@ class _PlannedPools:
         self.uploaded_bytes = 0
         for pp in plan.pools:
             cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
-            pools = _pools(self.layers[pp.layers[0]], pp.n_slots, device)
+            pools = _pools(self.layers[pp.layers[0]], pp.n_slots + extra_slots, device)
             for li in pp.layers:
                 self.of_layer[li] = (cache, pools)
             self._upload(pools, cache.seed(list(pp.residents)), non_blocking=False)
@@ -276,8 +280,9 @@ class OffloadExperts(_PlannedPools):
         plan: CachePlan,
         device: torch.device,
         policy: str = "lru",
+        extra_slots: int = 0,
     ) -> None:
-        super().__init__(layers, plan, device, policy)
+        super().__init__(layers, plan, device, policy, extra_slots)
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
         self.pinned = pin_host_memory(layers, self)

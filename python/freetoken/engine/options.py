@@ -27,9 +27,9 @@ __all__ = [
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
-#: ``cpu`` keeps the experts on the CPU executor, the dense layers still on the GPU
-#: (``hybrid`` comes with issue 7).
-MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload")
+#: ``cpu`` keeps the experts on the CPU executor, the dense layers still on the GPU;
+#: ``hybrid`` computes the GPU cache's misses on the CPU (engine/hybrid.py).
+MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload", "hybrid")
 #: One slot pool per expert type triple, or per layer.
 CACHE_SCOPES = ("type", "per-layer")
 #: How dense weights run on the GPU (engine/gpu_layers.py).
@@ -40,7 +40,8 @@ DENSE_MODES = ("quant", "bf16")
 class EngineOptions:
     """``device``: ``auto`` (the GPU when there is one), ``cpu`` or ``cuda``.
     ``moe_strategy``: where routed experts run with a GPU: ``auto``, ``cpu`` (the CPU expert
-    executor), ``gpu`` (all resident) or ``offload`` (slot pools filled on demand).
+    executor), ``gpu`` (all resident), ``offload`` (slot pools filled on demand) or
+    ``hybrid`` (slot pools; the misses computed on the CPU at the same time).
     ``dense_weights``: ``quant`` (ggml-cuda MMVQ/MMQ on the GGUF types) or ``bf16``.
     ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
@@ -81,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--moe-strategy",
         choices=MOE_STRATEGIES,
         default="auto",
-        help="where routed experts run with a GPU (auto: gpu when all fit, else offload)",
+        help="where routed experts run with a GPU (auto: gpu when all fit, else hybrid)",
     )
     g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
     g.add_argument("--moe-cache-mib", type=int, default=None, help="GPU expert cache size")

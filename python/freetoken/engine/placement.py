@@ -1,4 +1,4 @@
-"""Moving a loaded model onto the GPU (``--moe-strategy gpu|offload``).
+"""Moving a loaded model onto the GPU (``--moe-strategy gpu|offload|hybrid``).
 
 Dense weights become :mod:`freetoken.engine.gpu_layers` layers, vectors move as they are, MoE
 feed-forwards become :class:`~freetoken.engine.gpu_moe.GpuMoeFFN` over resident or offloaded
@@ -33,6 +33,7 @@ from freetoken.engine.gpu_moe import (
     ResidentExperts,
     gpu_servable,
 )
+from freetoken.engine.hybrid import HybridExperts
 from freetoken.engine.moe import MoeFFN
 from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
 from freetoken.engine.slots import plan_pools
@@ -59,7 +60,7 @@ class Placement:
     cpu_layers: list[int] = field(default_factory=list)
     graphs: bool = False
     notes: list[str] = field(default_factory=list)
-    #: The expert pools (ResidentExperts or OffloadExperts), None when all are on the CPU.
+    #: The expert pools (Resident-, Offload- or HybridExperts), None when all are on the CPU.
     experts: Any = None
 
     def describe(self) -> str:
@@ -134,7 +135,8 @@ def place_on_gpu(
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
-    ``n_ctx`` positions and a workspace), else offloads. Returns what it did."""
+    ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
+    in shape, which one hand-off cannot serve). Returns what it did."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
@@ -165,7 +167,7 @@ def place_on_gpu(
     mover.dense_bytes += emb.table.numel() * emb.table.element_size()
     place.dense_bytes = mover.dense_bytes
 
-    experts: ResidentExperts | OffloadExperts | None = None
+    experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
         experts, place.strategy = _experts(
             servable,
@@ -199,8 +201,10 @@ def place_on_gpu(
         else:
             blk.ffn = CpuMoeFFN(ffn)
     model.device = dev
-    # Graphs need steps that never wait for the host: no CPU experts, no on-demand uploads.
-    place.graphs = not place.cpu_layers and (not layers or place.strategy == "gpu")
+    model.step_hook = experts if isinstance(experts, HybridExperts) else None
+    # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
+    # (hybrid's CPU half answers inside the graph).
+    place.graphs = not place.cpu_layers and (not layers or place.strategy in ("gpu", "hybrid"))
     model.graphs = GraphDecoder(model) if place.graphs else None
     log(place.describe())
     return place
@@ -217,7 +221,7 @@ def _experts(
     model: Transformer,
     dev: torch.device,
     place: Placement,
-) -> tuple[ResidentExperts | OffloadExperts, str]:
+) -> tuple[ResidentExperts | OffloadExperts | HybridExperts, str]:
     total = sum(ex.expert_nbytes * ex.n_experts for ex in layers)
     if cache_mib is None:
         free, _ = torch.cuda.mem_get_info(dev)
@@ -242,7 +246,8 @@ def _experts(
         n_layers=model.cfg.n_layers,
     )
     if strategy == "auto":
-        strategy = "gpu" if plan.all_resident else "offload"
+        strategy = "gpu" if plan.all_resident else "hybrid" if _one_shape(layers) else "offload"
+        place.notes.append(f"--moe-strategy auto: {strategy} ({_why(strategy, model)})")
     if strategy == "gpu" and not plan.all_resident:
         raise InvalidInputError(
             f"--moe-strategy gpu needs {plan.all_bytes / _MIB:.0f} MiB for the experts, "
@@ -251,7 +256,39 @@ def _experts(
     if strategy == "gpu":
         return ResidentExperts(layers, plan, dev), strategy
     place.notes.append(plan.explanation)
-    experts = OffloadExperts(layers, plan, dev, policy)
+    if strategy == "hybrid":
+        if model.moe is None:
+            raise InvalidInputError("--moe-strategy hybrid: the model has no CPU expert executor")
+        from freetoken.bandwidth import load_bandwidth_profile
+
+        profile = load_bandwidth_profile(model)
+        bw = profile.for_layer(layers[0]) if profile is not None else None
+        experts = HybridExperts(layers, plan, dev, model.moe.executor, policy, bw)
+    else:
+        experts = OffloadExperts(layers, plan, dev, policy)
     if not experts.pinned:
         place.notes.append("expert memory could not be pinned: uploads are synchronous")
     return experts, strategy
+
+
+def _one_shape(layers: list[ExpertLayer]) -> bool:
+    """Whether one hand-off serves every layer (hybrid): one width, expert count, top-k."""
+    return len({(ex.gate.k, ex.n_experts, ex.top_k) for ex in layers}) == 1
+
+
+def _why(strategy: str, model: Transformer) -> str:
+    if strategy == "gpu":
+        return "every expert fits the cache"
+    if strategy == "offload":
+        return "the MoE layers differ in shape"
+    from freetoken.bandwidth import load_bandwidth_profile
+
+    profile = load_bandwidth_profile(model)
+    if profile is None:
+        return "experts exceed the cache; misses computed on the CPU (no bench-bw profile)"
+    k = next(iter(profile.kinds.values()))
+    return (
+        f"experts exceed the cache; a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} "
+        f"GB/s) than over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
+        f"{k.break_even_reuse or float('inf'):.1f}x"
+    )

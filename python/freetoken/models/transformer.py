@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,14 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+class StepHook(Protocol):
+    """Work around each forward step (see ``Transformer.step_hook``)."""
+
+    def begin(self, n_tokens: int) -> None: ...
+
+    def end(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -303,6 +311,9 @@ class Transformer:
     device = torch.device("cpu")
     #: Decode steps as CUDA graphs (set by GPU placement when every layer can be captured).
     graphs: GraphDecoder | None = None
+    #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
+    #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
+    step_hook: StepHook | None = None
 
     def _kv_shape(self) -> tuple[int, int, int]:
         """Per position and layer: (heads, key dims, value dims) of the cache."""
@@ -345,10 +356,28 @@ class Transformer:
                 raise InvalidInputError("a sequence in the batch has no tokens")
             spans.append(Span(cache.reserve(len(tokens)), len(tokens), cache))
         flat = [t for tokens, _ in seqs for t in tokens]
-        dev = self.device
         ids = self.embed.lookup(flat)
+        hook = self.step_hook
+        if hook is not None:
+            hook.begin(len(flat))
+        try:
+            logits = self._logits(ids, flat, spans, all_logits)
+        finally:
+            if hook is not None:
+                hook.end()
         if self.graphs is not None and len(flat) == 1:
-            return [self.graphs.step(flat[0], spans[0].cache).cpu()]
+            return [logits]
+        if not all_logits:
+            return list(logits.unbind(0))
+        return list(logits.split([sp.n for sp in spans]))
+
+    def _logits(
+        self, ids: torch.Tensor, flat: list[int], spans: list[Span], all_logits: bool
+    ) -> torch.Tensor:
+        """The host copy of the step's logits (the graph's, or the rows asked for)."""
+        if self.graphs is not None and len(flat) == 1:
+            return self.graphs.step(flat[0], spans[0].cache).cpu()
+        dev = self.device
         pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
         ends = None
         if not all_logits:
@@ -356,9 +385,7 @@ class Transformer:
         logits = self.run(ids, Step(pos, spans), ends).cpu()
         for sp in spans:
             sp.cache.commit(sp.n)
-        if not all_logits:
-            return list(logits.unbind(0))
-        return list(logits.split([sp.n for sp in spans]))
+        return logits
 
     def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
         """The forward pass on tensors: token ids ``[T]`` (on the model's device) at

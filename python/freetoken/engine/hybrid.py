@@ -1,0 +1,350 @@
+"""``--moe-strategy hybrid``: per MoE layer and step, the routes whose expert sits in a GPU
+slot run on the GPU while the CPU expert executor computes the others from host memory at the
+same time; the CPU's rows are added into the GPU's output. Nothing is uploaded on the
+critical path (docs/hybrid.md).
+
+The hand-off costs no host round trip per layer. The layer's activations and routes are copied
+into mapped page-locked host memory, a one-thread kernel raises a sequence number there
+(``gpu.handoff_signal``), the GPU goes on with the hits (a device table maps expert -> slot;
+misses point at zeroed slots with weight 0), and a kernel spins until the CPU thread
+(``MoeExecutor.serve_handoffs``, polling the same word) has written the missed routes' sum
+and its answer, then adds the rows (``gpu.handoff_wait_add``). So a whole decode step is
+still one CUDA graph, and eager steps never block Python.
+
+Between steps the engine does the bookkeeping the slot policy needs (LRU or adaptive route
+counts), then uploads selected misses on the copy stream, off the critical path: into free
+slots (any policy), and with ``--moe-cache-adaptive`` also over cold residents. An upload's
+expert is taken off the device table before the copy starts and put back only once the copy
+has finished, so no step reads a slot being written. Steps of many tokens (prefill chunks)
+split the same way unless the bandwidth profile (``freetoken bench-bw``) says that streaming
+the whole layer over PCIe is cheaper than computing the misses on the CPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from freetoken import _core
+from freetoken.engine import gpu
+from freetoken.engine.gpu_moe import (
+    MAX_SLOT_TOKENS,
+    ExpertLayer,
+    OffloadExperts,
+    clear_last_cuda_error,
+    unregister_host_memory,
+)
+from freetoken.engine.slots import CachePlan, SlotCache, Upload
+from freetoken.errors import DeviceError, FreeTokenError, ShapeError
+
+__all__ = ["HybridExperts", "HybridStats", "MappedHost"]
+
+# The hand-off block's words (cuda/include/freetoken_cuda.h, FT_CUDA_HANDOFF_*).
+WORDS = 8
+TIMEOUT, STOP, ANSWERED, BUSY_NS = 3, 5, 6, 7
+#: Most tokens a step splits between the GPU and the CPU (rows of the hand-off buffers).
+MAX_TOKENS = 256
+#: How long the GPU waits for one answer before giving up (the step then fails).
+TIMEOUT_S = 60.0
+#: Experts uploaded per step into free slots, and over residents once a pool is full
+#: (``--moe-cache-adaptive``): uploads read host memory the CPU executor needs too.
+FILLS_PER_STEP = 32
+SWAPS_PER_STEP = 4
+#: Bandwidths assumed without a ``bench-bw`` profile, GB/s (CPU expert kernels, PCIe).
+DEFAULT_B_CPU, DEFAULT_B_PCIE = 50.0, 25.0
+_REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_PAGE = 4096
+
+
+class MappedHost:
+    """Page-locked host memory that the GPU addresses directly (``cudaHostRegister``,
+    mapped), carved into named numpy arrays; unregistered when collected."""
+
+    def __init__(self, layout: dict[str, tuple[Any, tuple[int, ...]]]) -> None:
+        offsets, total = {}, 0
+        for name, (dtype, shape) in layout.items():
+            total = -(-total // 64) * 64
+            offsets[name] = total
+            total += np.dtype(dtype).itemsize * int(np.prod(shape))
+        raw = np.zeros(total + _PAGE, dtype=np.uint8)
+        start = -raw.ctypes.data % _PAGE
+        self.bytes = raw[start : start + total]
+        addr = self.bytes.ctypes.data
+        if int(torch.cuda.cudart().cudaHostRegister(addr, total, _REGISTER_MAPPED)) != 0:
+            clear_last_cuda_error()
+            raise DeviceError(f"cannot page-lock {total} bytes for the CPU/GPU hand-off")
+        weakref.finalize(self, unregister_host_memory, [addr], [raw])
+        self.arrays = {
+            name: self.bytes[off : off + np.dtype(dt).itemsize * int(np.prod(shape))]
+            .view(dt)
+            .reshape(shape)
+            for (name, (dt, shape)), off in zip(layout.items(), offsets.values(), strict=True)
+        }
+
+
+@dataclass
+class HybridStats:
+    """Counters since load: per MoE layer (model order) the routes and how many hit a slot;
+    hand-off requests the CPU answered and the seconds it spent answering; experts uploaded
+    into slots (fills of free slots, swaps over residents)."""
+
+    layers: list[int]
+    routes: np.ndarray
+    hits: np.ndarray
+    answered: int
+    cpu_busy_s: float
+    fills: int
+    swaps: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Routes served by the GPU over all routes."""
+        total = int(self.routes.sum())
+        return float(self.hits.sum()) / total if total else 0.0
+
+
+class HybridExperts(OffloadExperts):
+    """The ``hybrid`` strategy over the pools of ``plan`` (each with ``top_k`` zeroed slots
+    after its own, where misses point), the CPU half on ``executor``. ``policy`` is the
+    slots' (``lru`` fills free slots only; ``adaptive`` also swaps); ``bandwidth`` a
+    :class:`freetoken.bandwidth.KindBandwidth` for the prefill decision, or None."""
+
+    def __init__(
+        self,
+        layers: Sequence[ExpertLayer],
+        plan: CachePlan,
+        device: torch.device,
+        executor: _core.MoeExecutor,
+        policy: str = "lru",
+        bandwidth: Any = None,
+    ) -> None:
+        first = layers[0]
+        shape = (first.gate.k, first.n_experts, first.top_k)
+        for ex in layers:
+            if (ex.gate.k, ex.n_experts, ex.top_k) != shape:
+                raise ShapeError("hybrid needs MoE layers of one width, expert count and top-k")
+        hidden, n_experts, top_k = shape
+        super().__init__(layers, plan, device, policy, extra_slots=top_k)
+        self.executor, self.top_k, self.policy = executor, top_k, policy
+        self.bandwidth = bandwidth
+        n = len(self.order)
+        self.host = MappedHost(
+            {
+                "block": (np.int64, (WORDS,)),
+                "x": (np.float32, (MAX_TOKENS, hidden)),
+                "out": (np.float32, (MAX_TOKENS, hidden)),
+                "ids": (np.int32, (n, MAX_TOKENS, top_k)),
+                "weights": (np.float32, (n, MAX_TOKENS, top_k)),
+            }
+        )
+        a = self.host.arrays
+        self.block = a["block"]
+        self.views = {k: torch.from_numpy(a[k]) for k in ("x", "out", "ids", "weights")}
+        # expert -> slot per layer (-1: computed on the CPU), on the host for the CPU thread
+        # and on the device for the hits; both change only between steps.
+        self.resident = np.full((n, n_experts), -1, dtype=np.int32)
+        self.free: dict[int, int] = {}
+        self.dummies: dict[int, torch.Tensor] = {}
+        for cache, _ in self.of_layer.values():
+            if id(cache) in self.free:
+                continue
+            held = [r for r in cache.residents() if r is not None]
+            self.free[id(cache)] = cache.n_slots - len(held)
+            self.dummies[id(cache)] = torch.arange(
+                cache.n_slots, cache.n_slots + top_k, dtype=torch.int32, device=device
+            ).view(1, -1)
+            for layer, expert in held:
+                self.resident[self.position[layer], expert] = cache.slot_of(layer, expert)
+        self.resident_dev = torch.from_numpy(self.resident).to(device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
+        self.ticket: Any = None
+        self.serving = False
+        self.n_tokens = 0
+        self.steps = 0
+        self.routes = np.zeros(n, dtype=np.int64)
+        self.hits = np.zeros(n, dtype=np.int64)
+        self.fills = self.swaps = 0
+
+    # -- the step -------------------------------------------------------------------------
+
+    def begin(self, n_tokens: int) -> None:
+        """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream,
+        and starts the CPU thread when splitting."""
+        self._publish_uploads()
+        self.n_tokens = n_tokens
+        self.serving = n_tokens <= MAX_TOKENS and self._split_pays(n_tokens)
+        if not self.serving:
+            return
+        a = self.host.arrays
+        self.block[STOP] = 0
+        self.ticket = self.executor.serve_handoffs(
+            [self.layers[li].layer for li in self.order],
+            (self.host, self.resident),
+            self.block.ctypes.data,
+            a["x"].ctypes.data,
+            a["out"].ctypes.data,
+            a["ids"].ctypes.data,
+            a["weights"].ctypes.data,
+            self.resident.ctypes.data,
+            MAX_TOKENS,
+            self.top_k,
+        )
+
+    def end(self) -> None:
+        """After a step (also one that raised): waits for the GPU and the CPU thread, raises
+        what went wrong, else does the slot bookkeeping and starts the uploads."""
+        if self.ticket is None:
+            return
+        ticket, self.ticket = self.ticket, None
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+        finally:
+            self.block[STOP] = 1
+            try:
+                ticket.wait()
+            except FreeTokenError:
+                self._reset()
+                raise
+        if self.block[TIMEOUT]:
+            self._reset()
+            raise DeviceError(
+                f"the GPU waited over {TIMEOUT_S:.0f} s for the CPU expert thread; step abandoned"
+            )
+        self._account(self.n_tokens)
+
+    def launch(
+        self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.serving:
+            return self._launch_streamed(ex, x, ids, weights)
+        t, pos = ids.shape[0], self.position[ex.index]
+        v = self.views
+        v["x"][:t].copy_(x, non_blocking=True)
+        v["ids"][pos, :t].copy_(ids, non_blocking=True)
+        v["weights"][pos, :t].copy_(weights, non_blocking=True)
+        gpu.handoff_signal(self.counter, self.block.ctypes.data, (t << 32) | pos)
+        cache, pools = self.of_layer[ex.index]
+        slots = self.resident_dev[pos][ids.long()]
+        hit = slots >= 0
+        slots = torch.where(hit, slots, self.dummies[id(cache)])
+        w = torch.where(hit, weights, 0.0)
+        out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
+        gpu.handoff_wait_add(self.counter, self.block.ctypes.data, v["out"][:t], out, TIMEOUT_S)
+        return out
+
+    def _split_pays(self, n_tokens: int) -> bool:
+        """Whether computing a layer's expected misses on the CPU beats streaming the layer
+        over PCIe (issue 7's rule with the bench-bw figures; each missed route priced as one
+        expert read, which over-prices the CPU on long prompts, where it is compute-bound)."""
+        if n_tokens <= MAX_SLOT_TOKENS:
+            return True
+        ex = self.layers[self.order[0]]
+        total = int(self.routes.sum())
+        hit = float(self.hits.sum()) / total if total else 0.0
+        b = self.bandwidth
+        b_cpu = b.b_cpu_gbps if b is not None else DEFAULT_B_CPU
+        b_pcie = b.b_pcie_gbps if b is not None and b.b_pcie_gbps else DEFAULT_B_PCIE
+        cpu_s = n_tokens * self.top_k * (1 - hit) * ex.expert_nbytes / (b_cpu * 1e9)
+        stream_s = ex.n_experts * ex.expert_nbytes / (b_pcie * 1e9)
+        return cpu_s < stream_s
+
+    def _reset(self) -> None:
+        """After a failed step: both sides back to sequence 0."""
+        torch.cuda.synchronize(self.device)
+        self.counter.zero_()
+        self.block[:] = 0
+
+    # -- between steps ----------------------------------------------------------------------
+
+    def _account(self, t: int) -> None:
+        """The step's routes: hit counters, the policy's bookkeeping, uploads of misses."""
+        n, k = len(self.order), self.top_k
+        ids = self.host.arrays["ids"][:, :t].reshape(n, t * k)
+        hit = np.take_along_axis(self.resident, ids, axis=1) >= 0
+        self.routes += t * k
+        self.hits += hit.sum(axis=1)
+        fills, swaps = FILLS_PER_STEP, SWAPS_PER_STEP
+        batches: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = {}
+        self.steps += 1
+        for i in range(n):
+            pos = (i + self.steps) % n  # a different layer first each step
+            li = self.order[pos]
+            cache, pools = self.of_layer[li]
+            routes = np.ascontiguousarray(ids[pos].reshape(t, k))
+            cache.lookup(li, routes)
+            missed = np.unique(routes[~hit[pos].reshape(t, k)])
+            free = self.free[id(cache)]
+            cap = min(fills, free) if free else (swaps if self.policy == "adaptive" else 0)
+            if not missed.size or cap <= 0:
+                continue
+            ups = cache.admit(li, missed, max_uploads=cap)
+            for u in ups:
+                if u.evicted is None:
+                    self.free[id(cache)] -= 1
+                else:
+                    swaps -= 1
+                fills -= 1
+            if ups:
+                batches.setdefault(id(cache), (cache, pools, []))[2].extend(ups)
+            if fills <= 0:
+                break
+        for cache, pools, ups in batches.values():
+            self._start_uploads(cache, pools, ups)
+
+    def _set_resident(self, entries: list[tuple[int, int, int]]) -> None:
+        """(position, expert, slot or -1) into both tables; on the current stream, so before
+        the next step's kernels."""
+        if not entries:
+            return
+        pos, expert, slot = (np.array(c, dtype=np.int64) for c in zip(*entries, strict=True))
+        self.resident[pos, expert] = slot
+        idx = (torch.from_numpy(pos).to(self.device), torch.from_numpy(expert).to(self.device))
+        self.resident_dev[idx] = torch.from_numpy(slot.astype(np.int32)).to(self.device)
+
+    def _start_uploads(
+        self, cache: SlotCache, pools: tuple[gpu.ExpertPool, ...], ups: list[Upload]
+    ) -> None:
+        gone = [(self.position[u.evicted[0]], u.evicted[1], -1) for u in ups if u.evicted]
+        self.swaps += len(gone)
+        self.fills += len(ups) - len(gone)
+        self._set_resident(gone)
+        ready = torch.cuda.Event()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self._upload(pools, sorted(ups, key=lambda u: (u.layer, u.expert)), self.pinned)
+            ready.record(self.copy_stream)
+        self.pending.append((ready, [(cache, u) for u in ups]))
+
+    def _publish_uploads(self) -> None:
+        """Puts finished uploads into the tables (an expert evicted again meanwhile stays
+        out)."""
+        done = [p for p in self.pending if p[0].query()]
+        if not done:
+            return
+        self.pending = [p for p in self.pending if p not in done]
+        self._set_resident(
+            [
+                (self.position[u.layer], u.expert, u.slot)
+                for _, ups in done
+                for cache, u in ups
+                if cache.slot_of(u.layer, u.expert) == u.slot
+            ]
+        )
+
+    def stats(self) -> HybridStats:
+        """The counters since load."""
+        return HybridStats(
+            layers=list(self.order),
+            routes=self.routes.copy(),
+            hits=self.hits.copy(),
+            answered=int(self.block[ANSWERED]),
+            cpu_busy_s=int(self.block[BUSY_NS]) / 1e9,
+            fills=self.fills,
+            swaps=self.swaps,
+        )
