@@ -6,6 +6,8 @@
 #   bash scripts/device.sh bench          on the GPU machine, after build (same /tmp)
 #   bash scripts/device.sh bench-e2e      on the GPU machine: the 48-layer model (written by
 #                                         bench-model if missing) against llama-bench
+#   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
+#                                         llama-bench -ncmoe on the uniform and zipf models
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
 #   UI or unused backends: about 31 MB) and the abi3 wheel, built with the explicit GGML CPU
@@ -15,6 +17,8 @@
 #   $FT_SITE (default /tmp/ft-site) with the working tree's Python sources over it.
 # test:    pytest -m gpu on that install (builds first if $FT_BUILD has no library).
 # bench:   benches/bench_gpu_experts.py, and llama-bench when FT_BENCH_MODEL names a GGUF.
+# bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
+#   uniform and zipf 48-layer models, written if missing), configs $FT_HYBRID_CONFIGS.
 # Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -137,20 +141,26 @@ bench() {
 
 # The Qwen3-30B-A3B-shaped benchmark model (issue 6): 48 layers, 128 experts, top-8, Q4_0
 # experts, Q8_0 attention and output, uniform routing; 4 layers' experts tiled (make-test-model
-# --tile-experts) so it is written in about two minutes.
+# --tile-experts) so it is written in about two minutes. ZIPF_MODEL: the same with per-layer
+# hot experts (--routing zipf), for the hybrid strategy's cache.
 BENCH_MODEL=${FT_BENCH_MODEL:-/tmp/ft-models/qwen3moe-30b-a3b-48l-q4_0.gguf}
+ZIPF_MODEL=${FT_ZIPF_MODEL:-/tmp/ft-models/qwen3moe-30b-a3b-48l-q4_0-zipf.gguf}
 
+# bench_model [PATH [MAKE-TEST-MODEL ARGS...]]: writes that model (default $BENCH_MODEL) if
+# missing, the extra arguments added to the benchmark model's.
 bench_model() {
+    local out=${1:-$BENCH_MODEL}
+    if [ $# -gt 0 ]; then shift; fi
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
-    [ -f "$BENCH_MODEL" ] && return
-    mkdir -p "$(dirname "$BENCH_MODEL")"
+    [ -f "$out" ] && return
+    mkdir -p "$(dirname "$out")"
     local t0=$SECONDS
     python3 -m freetoken make-test-model --arch qwen3moe --layers 48 --hidden 2048 --heads 32 \
         --kv-heads 4 --head-dim 128 --experts 128 --top-k 8 --expert-ffn 768 --ffn 768 \
         --quant q8_0,exps=q4_0 --vocab "$DEV/llama.cpp/models/ggml-vocab-qwen2.gguf" \
-        --tile-experts 4 --seed 1 -o "$BENCH_MODEL" 2>&1 | tail -5
-    log "wrote $BENCH_MODEL ($(du -h "$BENCH_MODEL" | cut -f1)) in $((SECONDS - t0)) s"
+        --tile-experts 4 --seed 1 "$@" -o "$out" 2>&1 | tail -5
+    log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
 }
 
 # FreeToken (all experts resident; dense weights both ways) against llama-bench -ngl 99.
@@ -163,6 +173,27 @@ bench_e2e() {
         tee "$OUT/bench_e2e.log"
 }
 
+# --moe-strategy hybrid (and offload, cpu) with a quarter of the experts cached on the GPU
+# against llama-bench -ncmoe, on the uniform and zipf models (or $FT_HYBRID_MODELS).
+bench_hybrid() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    local configs=${FT_HYBRID_CONFIGS:-hybrid+adaptive,hybrid,offload,cpu}
+    local models=() args=() m
+    if [ -n "${FT_HYBRID_MODELS:-}" ]; then
+        read -r -a models <<<"$FT_HYBRID_MODELS"
+        [ -d "$FT_SITE/freetoken" ] || install_wheel
+        env_for_tests
+    else
+        bench_model
+        bench_model "$ZIPF_MODEL" --routing zipf
+        models=("$BENCH_MODEL" "$ZIPF_MODEL")
+    fi
+    for m in "${models[@]}"; do args+=(--model "$m"); done
+    python3 benches/bench_hybrid.py "${args[@]}" --llama-bench "$FT_BUILD/bin/llama-bench" \
+        -n 64 -r 3 -t "$(nproc)" --configs "$configs" \
+        --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
+}
+
 # Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
@@ -171,7 +202,7 @@ profile_step() {
 }
 
 [ $# -gt 0 ] || {
-    sed -n '2,17p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
 }
 for phase in "$@"; do
@@ -182,9 +213,11 @@ for phase in "$@"; do
     bench) bench ;;
     bench-model) bench_model ;;
     bench-e2e) bench_e2e ;;
+    bench-hybrid) bench_hybrid ;;
     profile) profile_step ;;
     *)
-        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e, profile)"
+        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e," \
+            "bench-hybrid, profile)"
         exit 2
         ;;
     esac

@@ -400,4 +400,7 @@ def test_gpu_pools_hold_the_layers_experts(models: dict[str, Path]) -> None:
             want.data_ptr(),
         )  # fmt: skip
         err = (got.cpu() - want).norm() / want.norm()
-        assert err < 2e-2, (ex.index, float(err))
+        # Each side rounds activations its own way (q8_1 on the GPU; q8_K on the CPU for
+        # K-quants, up to 2.8% from float64: benches/moe_accuracy.py); measured 2.9% apart on
+        # the H200. A pool holding other experts is off by about 100%.
+        assert err < 5e-2, (ex.index, float(err))

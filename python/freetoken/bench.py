@@ -48,13 +48,20 @@ def run_bench(args: argparse.Namespace) -> int:
             llm.model.forward(tokens[i : i + 512], pp_cache)
         return args.n_prompt / (time.perf_counter() - t0)
 
+    decode_steps = 0
+    decode_seconds = 0.0
+
     def decode_pass(n: int) -> float:
+        nonlocal decode_steps, decode_seconds
         tg_cache.truncate(0)
         tok = rng.randrange(vocab)
         t0 = time.perf_counter()
         for _ in range(n):
             tok = int(llm.model.forward([tok], tg_cache).argmax())
-        return n / (time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        decode_steps += n
+        decode_seconds += dt
+        return n / dt
 
     if args.n_prompt:
         prompt_pass()
@@ -75,6 +82,25 @@ def run_bench(args: argparse.Namespace) -> int:
         "peak_rss_mib": round(_peak_rss_mib(), 1),
         "placement": llm.placement.describe() if llm.placement is not None else "cpu",
     }
+    placement = llm.placement
+    if placement is not None:
+        result["dense_bytes"] = placement.dense_bytes
+        result["expert_bytes"] = placement.expert_bytes
+        stats_fn = getattr(placement.experts, "stats", None)
+        if callable(stats_fn):
+            # Counters since load: the prompt passes' routes count too.
+            stats = stats_fn()
+            result["hybrid"] = {
+                "hit_rate": float(stats.hit_rate),
+                "routes": int(stats.routes.sum()),
+                "hits": int(stats.hits.sum()),
+                "answered": int(stats.answered),
+                "cpu_busy_s": float(stats.cpu_busy_s),
+                "fills": int(stats.fills),
+                "swaps": int(stats.swaps),
+                "decode_steps": decode_steps,
+                "decode_seconds": decode_seconds,
+            }
     if args.output == "json":
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")

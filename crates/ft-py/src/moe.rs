@@ -539,7 +539,13 @@ impl PyMoeExecutor {
                 // SAFETY: within the checked `ids` buffer; the GPU wrote it before the request.
                 let req = unsafe { slice::<i32>(ids + at, n, "ids")? };
                 let row = &resident[r.layer * n_experts..(r.layer + 1) * n_experts];
-                missed_routes(req, row, &mut routes[..n])?;
+                if missed_routes(req, row, &mut routes[..n])? == 0 {
+                    // Every route hit a slot: zeros, without waking the pool.
+                    // SAFETY: within the checked `out` buffer, which the GPU reads only after
+                    // the answer.
+                    unsafe { slice_mut::<f32>(out, r.n_tokens * hidden, "out")? }.fill(0.0);
+                    return Ok(());
+                }
                 let args = CallArgs {
                     x,
                     x_len: r.n_tokens * hidden,

@@ -54,7 +54,7 @@ TIMEOUT_S = 60.0
 #: Experts uploaded per step into free slots, and over residents once a pool is full
 #: (``--moe-cache-adaptive``): uploads read host memory the CPU executor needs too.
 FILLS_PER_STEP = 32
-SWAPS_PER_STEP = 4
+SWAPS_PER_STEP = 16
 #: Bandwidths assumed without a ``bench-bw`` profile, GB/s (CPU expert kernels, PCIe).
 DEFAULT_B_CPU, DEFAULT_B_PCIE = 50.0, 25.0
 _REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped

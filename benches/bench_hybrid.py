@@ -1,0 +1,400 @@
+"""FreeToken's ``--moe-strategy hybrid`` against llama.cpp's ``--n-cpu-moe``, side by side.
+
+Per model (``--model``, repeatable: e.g. a uniform- and a zipf-routing model): llama-bench
+with every layer on the GPU but the experts of the first N layers on the CPU (``-ncmoe N``,
+one process per N), and ``freetoken bench`` per configuration (``--configs``: a strategy,
+``+adaptive`` for ``--moe-cache-adaptive``, ``+profile`` for ``--moe-cache-profile`` with a
+profile made once by ``freetoken profile`` on other text) with a GPU expert cache of
+``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi`` (``run_with_vram`` of
+bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against llama.cpp's best tg among
+the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the lowest-VRAM llama.cpp row
+when none is). Optionally (first model only) the hand-off's cost per MoE layer: ``gpu`` against
+``hybrid`` with every expert resident, so every route hits and the CPU answers empty requests.
+A failed run leaves its error in its row; the table and the JSON are still written.
+
+    python3 benches/bench_hybrid.py --model UNIFORM.gguf --model ZIPF.gguf \\
+        --llama-bench PATH -n 64 -r 3 -t 16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu_vs_llamacpp import run_with_vram
+
+_MIB = 1 << 20
+#: Slack over the hybrid run's peak VRAM within which a llama.cpp row may be the reference.
+VRAM_SLACK = 0.05
+#: Runs llama-bench as its only child and writes that child's peak RSS (KiB) to argv[1].
+_RSS_WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "rc = subprocess.run(sys.argv[2:]).returncode\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    f.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "sys.exit(rc if rc >= 0 else 128 - rc)\n"
+)
+
+
+class _Tee(io.TextIOBase):
+    """Writes to ``out`` and keeps the text, for a failed run's error."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.buf = io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.out.write(s)
+        return self.buf.write(s)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def _stderr_kept() -> Iterator[_Tee]:
+    tee = _Tee(sys.stderr)
+    sys.stderr = tee
+    try:
+        yield tee
+    finally:
+        sys.stderr = tee.out
+
+
+def _run(cmd: list[str], row: dict[str, Any]) -> str | None:
+    """``run_with_vram(cmd)``: its stdout, with ``peak_vram_mib`` set in ``row``; on failure
+    None, with the error in ``row["error"]`` and the end of the run's stderr in
+    ``row["stderr"]``."""
+    print(f"bench_hybrid: {' '.join(row['cmd'])}", file=sys.stderr, flush=True)
+    with _stderr_kept() as tee:
+        try:
+            out, vram = run_with_vram(cmd)
+        except (Exception, SystemExit) as e:
+            # run_with_vram exits with "failed (STATUS): COMMAND"; the command is in the row.
+            msg = str(e).split(": ", 1)[0] if isinstance(e, SystemExit) else str(e)
+            row["error"] = f"{type(e).__name__}: {msg}"
+            row["stderr"] = tee.buf.getvalue()[-4000:].strip()
+            return None
+    row["peak_vram_mib"] = vram
+    return out
+
+
+def model_info(path: str) -> dict[str, Any]:
+    """Layer count, MoE layer count and expert bytes (tensors named ``*_exps.*``)."""
+    from freetoken.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    n_layers = int(f.metadata[f"{f.architecture}.block_count"])
+    exps = [t for name, t in f.tensors.items() if "_exps." in name]
+    moe_layers = {t.name.split(".")[1] for t in exps if t.name.startswith("blk.")}
+    return {
+        "n_layers": n_layers,
+        "n_moe_layers": len(moe_layers),
+        "expert_bytes": sum(t.nbytes for t in exps),
+    }
+
+
+def default_ncmoe(n_layers: int, fraction: float) -> list[int]:
+    """The layers whose experts llama.cpp keeps on the CPU: about the hybrid cache's share on
+    the GPU, four more layers on the CPU, and all of them."""
+    base = n_layers - round(fraction * n_layers)
+    # Ours holds staging buffers and a CUDA context beside the cache: fewer CPU layers
+    # (more VRAM) give llama.cpp the same budget.
+    values = (base - 5, base - 3, base, n_layers)
+    return sorted({min(max(v, 0), n_layers) for v in values})
+
+
+def llama(args: argparse.Namespace, model: str, ncmoe: int) -> dict[str, Any]:
+    cmd = [args.llama_bench, "-m", model, "-ngl", "99", "-ncmoe", str(ncmoe), "-fa", "0"]
+    cmd += ["-p", "0", "-n", str(args.n), "-r", str(args.r), "-t", str(args.threads)]
+    cmd += ["-o", "json"]
+    row: dict[str, Any] = {"engine": "llama.cpp", "config": f"-ncmoe {ncmoe}", "ncmoe": ncmoe}
+    row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
+    fd, rss_path = tempfile.mkstemp(prefix="bench_hybrid_rss_")
+    os.close(fd)
+    try:
+        out = _run([sys.executable, "-c", _RSS_WRAPPER, rss_path, *cmd], row)
+        if out is None:
+            return row
+        try:
+            results = json.loads(out)
+            tg = [r for r in results if r["n_gen"] and not r["n_prompt"]]
+            row["tg"] = tg[0]["avg_ts"]
+            row["tg_stddev"] = tg[0].get("stddev_ts")
+            row["build"] = results[0].get("build_commit")
+            with open(rss_path) as f:
+                row["peak_rss_mib"] = round(int(f.read()) / 1024, 1)
+        except (ValueError, KeyError, IndexError, OSError) as e:
+            row["error"] = f"{type(e).__name__}: {e}\nstdout: {out[-2000:]}"
+    finally:
+        os.unlink(rss_path)
+    return row
+
+
+def freetoken(
+    args: argparse.Namespace, model: str, config: str, cache_mib: int | None
+) -> dict[str, Any]:
+    strategy, *mods = config.split("+")
+    cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-p", "0"]
+    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "-t", str(args.threads)]
+    cmd += ["--moe-strategy", strategy]
+    if cache_mib is not None and strategy not in ("cpu", "gpu"):
+        cmd += ["--moe-cache-mib", str(cache_mib)]
+    if "adaptive" in mods:
+        cmd += ["--moe-cache-adaptive"]
+    row: dict[str, Any] = {"engine": "freetoken", "config": config, "strategy": strategy}
+    if "profile" in mods:
+        prof = expert_profile(args, model, row)
+        if prof is None:
+            return row
+        cmd += ["--moe-cache-profile", prof]
+    row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
+    out = _run(cmd, row)
+    if out is None:
+        return row
+    try:
+        res = json.loads(out.strip().splitlines()[-1])
+        row["tg"] = res["decode_tokens_per_s"]
+        row["tg_stddev"] = res.get("decode_stddev")
+        row["peak_rss_mib"] = res["peak_rss_mib"]
+        row["placement"] = res.get("placement")
+        row["dense_bytes"] = res.get("dense_bytes")
+        row["expert_bytes"] = res.get("expert_bytes")
+        hyb = res.get("hybrid")
+        if hyb:
+            row["hybrid"] = hyb
+            row["hit_rate"] = hyb["hit_rate"]
+            secs = hyb.get("decode_seconds") or 0.0
+            row["cpu_busy_share"] = hyb["cpu_busy_s"] / secs if secs else None
+    except (ValueError, KeyError, IndexError) as e:
+        row["error"] = f"{type(e).__name__}: {e}\nstdout: {out[-2000:]}"
+    return row
+
+
+#: Text the expert-use profile is made on: not the benchmark's tokens (random ids).
+_PROFILE_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century.",
+    "def quicksort(items):\n    if len(items) < 2:\n        return items",
+    "Explain how a heat pump moves heat from a cold place to a warm one.",
+    "Le marché aux fleurs ouvre tôt le dimanche matin.",
+    "List three prime numbers greater than one hundred and explain why.",
+    "SELECT name, count(*) FROM orders GROUP BY name ORDER BY 2 DESC;",
+    "The committee will meet again after the summer recess to vote.",
+    "Once upon a time a fox found a bell in the snow.",
+]
+
+
+def expert_profile(args: argparse.Namespace, model: str, row: dict[str, Any]) -> str | None:
+    """``freetoken profile`` of ``model`` (all experts on the GPU) on other text, made once
+    next to the model; None (the error in ``row``) when it fails."""
+    path = model + ".profile.json"
+    if os.path.exists(path):
+        return path
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(_PROFILE_PROMPTS) + "\n")
+    cmd = [sys.executable, "-m", "freetoken", "profile", "-m", model, "--prompts", f.name]
+    cmd += ["-n", "48", "-o", path, "--moe-strategy", "gpu"]
+    row["profile_cmd"] = cmd
+    ok = _run(cmd, row) is not None
+    os.unlink(f.name)
+    return path if ok else None
+
+
+def pick_reference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """The llama.cpp row the ratios are against (None when no llama.cpp run succeeded), and
+    why it was chosen."""
+    llama_rows = [r for r in rows if r["engine"] == "llama.cpp" and r["tg"]]
+    if not llama_rows:
+        return None, "no llama.cpp run succeeded: no ratios"
+    hybrid = [
+        r["peak_vram_mib"]
+        for r in rows
+        if r["engine"] == "freetoken" and r["strategy"] == "hybrid" and r["tg"]
+    ]
+    lowest = min(llama_rows, key=lambda r: r["peak_vram_mib"])
+    if not hybrid:
+        return (
+            lowest,
+            f"no hybrid run succeeded: the lowest-VRAM llama.cpp row ({lowest['config']})",
+        )
+    budget = max(hybrid) * (1 + VRAM_SLACK)
+    fit = [r for r in llama_rows if r["peak_vram_mib"] <= budget]
+    if not fit:
+        return lowest, (
+            f"no llama.cpp row within the hybrid peak VRAM {max(hybrid)} MiB + 5%: "
+            f"the lowest-VRAM row ({lowest['config']}, {lowest['peak_vram_mib']} MiB)"
+        )
+    best = max(fit, key=lambda r: r["tg"])
+    return best, (
+        f"llama.cpp {best['config']}: the best tg within the hybrid peak VRAM "
+        f"{max(hybrid)} MiB + 5% ({budget:.0f} MiB)"
+    )
+
+
+def _cell(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def set_reference(entry: dict[str, Any]) -> None:
+    """Picks the reference row and sets every row's tg ratio against it."""
+    rows = entry["rows"]
+    ref, why = pick_reference(rows)
+    entry["reference"] = None
+    if ref is not None:
+        entry["reference"] = {
+            "row": rows.index(ref),
+            "config": ref["config"],
+            "tg": ref["tg"],
+            "peak_vram_mib": ref["peak_vram_mib"],
+        }
+    entry["reference_why"] = why
+    for r in rows:
+        r["ratio"] = r["tg"] / ref["tg"] if ref is not None and r["tg"] else None
+
+
+def _error_line(row: dict[str, Any]) -> str:
+    """The row's error and the last line of its stderr."""
+    lines = (row.get("stderr") or "").strip().splitlines()
+    return row["error"] + (f": {lines[-1]}" if lines else "")
+
+
+def print_table(entry: dict[str, Any]) -> None:
+    rows, ref = entry["rows"], entry["reference"]
+    print(
+        f"\n### {entry['label']}: {entry['n_layers']} layers ({entry['n_moe_layers']} MoE), "
+        f"experts {entry['expert_bytes'] / _MIB:.0f} MiB, cache {entry['cache_mib']} MiB, "
+        f"tg{entry['n']}, {entry['r']} repetitions"
+    )
+    print(f"reference: {entry['reference_why']}\n")
+    print(
+        "| engine / config | tg t/s | ratio | peak VRAM MiB | peak RSS MiB | hit rate "
+        "| CPU busy share |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for i, r in enumerate(rows):
+        is_ref = ref is not None and ref["row"] == i
+        name = f"{r['engine']} {r['config']}" + (" (ref)" if is_ref else "")
+        if r.get("error"):
+            err = " ".join(_error_line(r).split())[:120].replace("|", "\\|")
+            print(f"| {name} | failed: {err} | | | | | |")
+            continue
+        print(
+            f"| {name} | {_cell(r['tg'], '.2f')} | {_cell(r['ratio'], '.2f')} "
+            f"| {_cell(r['peak_vram_mib'], 'd')} | {_cell(r['peak_rss_mib'], '.0f')} "
+            f"| {_cell(r.get('hit_rate'), '.1%')} | {_cell(r.get('cpu_busy_share'), '.0%')} |"
+        )
+
+
+def handoff_cost(args: argparse.Namespace, entry: dict[str, Any]) -> dict[str, Any]:
+    """``gpu`` against ``hybrid`` with every expert resident: the hand-off's cost per MoE
+    layer and step, (1/tg_hybrid - 1/tg_gpu) / MoE layers."""
+    all_mib = int(entry["expert_bytes"] / _MIB) + 64
+    gpu_row = freetoken(args, entry["path"], "gpu", None)
+    hyb_row = freetoken(args, entry["path"], "hybrid", all_mib)
+    res: dict[str, Any] = {"cache_mib": all_mib, "gpu": gpu_row, "hybrid_all": hyb_row}
+    res["per_layer_us"] = None
+    if gpu_row["tg"] and hyb_row["tg"] and entry["n_moe_layers"]:
+        per_step = 1 / hyb_row["tg"] - 1 / gpu_row["tg"]
+        res["per_layer_us"] = per_step / entry["n_moe_layers"] * 1e6
+    print(f"\nhand-off cost ({entry['label']}, hybrid cache {all_mib} MiB: every expert resident)")
+    for name, r in (("gpu", gpu_row), ("hybrid (all resident)", hyb_row)):
+        if r.get("error"):
+            print(f"  {name}: failed: {_error_line(r)[:200]}")
+        else:
+            hit = f", hit rate {r['hit_rate']:.2%}" if r.get("hit_rate") is not None else ""
+            print(f"  {name}: tg {r['tg']:.2f} t/s, peak VRAM {r['peak_vram_mib']} MiB{hit}")
+    if res["per_layer_us"] is not None:
+        print(
+            f"  (1/tg_hybrid - 1/tg_gpu) / {entry['n_moe_layers']} MoE layers = "
+            f"{res['per_layer_us']:.1f} us per layer and step"
+        )
+        if hyb_row.get("hit_rate") is not None and hyb_row["hit_rate"] < 1.0:
+            print("  note: the hybrid run missed some routes; the figure includes CPU work")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", action="append", required=True, help="a GGUF (repeatable)")
+    ap.add_argument("--llama-bench", required=True)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=16)
+    ap.add_argument(
+        "--fraction", type=float, default=0.25, help="GPU expert cache, share of expert bytes"
+    )
+    ap.add_argument(
+        "--ncmoe",
+        help="comma-separated llama.cpp -ncmoe values (default: n_layers - round(fraction * "
+        "n_layers), that + 4, and n_layers)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="hybrid+adaptive,hybrid,offload,cpu",
+        help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive)",
+    )
+    ap.add_argument(
+        "--handoff-cost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the hand-off cost per MoE layer on the first model",
+    )
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if any(m not in ("adaptive", "profile") for m in c.split("+")[1:]):
+            ap.error(f"--configs {c}: modifiers are +adaptive and +profile")
+    ncmoe_arg = [int(v) for v in args.ncmoe.split(",")] if args.ncmoe else None
+
+    report: dict[str, Any] = {
+        "n": args.n,
+        "r": args.r,
+        "threads": args.threads,
+        "fraction": args.fraction,
+        "configs": configs,
+        "models": [],
+    }
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    for i, model in enumerate(args.model):
+        entry: dict[str, Any] = {"label": os.path.basename(model), "path": model}
+        entry |= {"n": args.n, "r": args.r, "rows": [], "reference": None, "handoff": None}
+        report["models"].append(entry)
+        try:
+            entry |= model_info(model)
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {e}"
+            print(f"\n### {entry['label']}: cannot read the model: {entry['error']}")
+            save()
+            continue
+        entry["cache_mib"] = int(args.fraction * entry["expert_bytes"] / _MIB)
+        entry["ncmoe"] = ncmoe_arg or default_ncmoe(entry["n_layers"], args.fraction)
+        for v in entry["ncmoe"]:
+            entry["rows"].append(llama(args, model, v))
+            save()
+        for c in configs:
+            entry["rows"].append(freetoken(args, model, c, entry["cache_mib"]))
+            save()
+        set_reference(entry)
+        print_table(entry)
+        if i == 0 and args.handoff_cost:
+            entry["handoff"] = handoff_cost(args, entry)
+        save()
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
