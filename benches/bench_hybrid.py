@@ -73,7 +73,7 @@ def _run(cmd: list[str], row: dict[str, Any]) -> str | None:
     """``run_with_vram(cmd)``: its stdout, with ``peak_vram_mib`` set in ``row``; on failure
     None, with the error in ``row["error"]`` and the end of the run's stderr in
     ``row["stderr"]``."""
-    print(f"bench_hybrid: {' '.join(row['cmd'])}", file=sys.stderr, flush=True)
+    print(f"bench_hybrid: {' '.join(cmd)}", file=sys.stderr, flush=True)
     with _stderr_kept() as tee:
         try:
             out, vram = run_with_vram(cmd)
@@ -151,12 +151,12 @@ def freetoken(
     if "adaptive" in mods:
         cmd += ["--moe-cache-adaptive"]
     row: dict[str, Any] = {"engine": "freetoken", "config": config, "strategy": strategy}
+    row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
     if "profile" in mods:
         prof = expert_profile(args, model, row)
         if prof is None:
             return row
         cmd += ["--moe-cache-profile", prof]
-    row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
     out = _run(cmd, row)
     if out is None:
         return row
@@ -201,7 +201,7 @@ def expert_profile(args: argparse.Namespace, model: str, row: dict[str, Any]) ->
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(_PROFILE_PROMPTS) + "\n")
     cmd = [sys.executable, "-m", "freetoken", "profile", "-m", model, "--prompts", f.name]
-    cmd += ["-n", "48", "-o", path, "--moe-strategy", "gpu"]
+    cmd += ["-n", "48", "-c", "512", "-o", path, "--moe-strategy", "gpu"]
     row["profile_cmd"] = cmd
     ok = _run(cmd, row) is not None
     os.unlink(f.name)
