@@ -669,6 +669,18 @@ pub struct Handoff {
     pub stream: usize,
 }
 
+impl Handoff {
+    /// The hand-off on `device` with these addresses and stream.
+    pub fn new(device: i32, counter: usize, block: usize, stream: usize) -> Handoff {
+        Handoff {
+            device,
+            counter,
+            block,
+            stream,
+        }
+    }
+}
+
 /// int64 words of a hand-off block (`FT_CUDA_HANDOFF_WORDS`).
 pub const HANDOFF_WORDS: usize = 8;
 

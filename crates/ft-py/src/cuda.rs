@@ -167,12 +167,7 @@ pub fn cuda_handoff_signal(
     stream: usize,
     tag: i64,
 ) -> PyResult<()> {
-    let h = Handoff {
-        device,
-        counter,
-        block,
-        stream,
-    };
+    let h = Handoff::new(device, counter, block, stream);
     ft_cuda::runtime()
         .and_then(|rt| rt.handoff_signal(&h, tag))
         .py_err()
@@ -192,12 +187,7 @@ pub fn cuda_handoff_wait_add(
     n: usize,
     timeout_ns: u64,
 ) -> PyResult<()> {
-    let h = Handoff {
-        device,
-        counter,
-        block,
-        stream,
-    };
+    let h = Handoff::new(device, counter, block, stream);
     ft_cuda::runtime()
         .and_then(|rt| rt.handoff_wait_add(&h, src, dst, n, timeout_ns))
         .py_err()
