@@ -89,6 +89,19 @@ class MoeExecutor:
         out: int,
         skip_negative: bool = False,
     ) -> MoeTicket: ...
+    def serve_handoffs(
+        self,
+        layers: list[MoeLayer],
+        owners: object,
+        block: int,
+        x: int,
+        out: int,
+        ids: int,
+        weights: int,
+        resident: int,
+        max_tokens: int,
+        top_k: int,
+    ) -> MoeTicket: ...
 
 def cuda_status() -> tuple[bool, str, int]: ...
 def cuda_device_info(device: int) -> tuple[str, int, int, int, int]: ...
@@ -127,6 +140,17 @@ def cuda_moe_layer(
     stream: int,
     check_ids: bool,
     accumulate: bool,
+) -> None: ...
+def cuda_handoff_signal(device: int, counter: int, block: int, stream: int, tag: int) -> None: ...
+def cuda_handoff_wait_add(
+    device: int,
+    counter: int,
+    block: int,
+    stream: int,
+    src: int,
+    dst: int,
+    n: int,
+    timeout_ns: int,
 ) -> None: ...
 
 class SlotCache:
