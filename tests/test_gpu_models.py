@@ -186,11 +186,12 @@ def test_gpu_routes_counted(model_files: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
 def test_hybrid_splits_prompts_and_fills(
-    policy: str, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    policy: str, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``hybrid`` with prompts split too (not streamed): prefill and decode match the CPU;
     both halves computed routes, free slots were filled between steps, and with the
-    adaptive policy the full pools swapped experts in."""
+    adaptive policy the full pools swapped experts in; the audit record of a generation
+    adds up."""
     from freetoken.engine import hybrid
 
     monkeypatch.setattr(hybrid, "MAX_SLOT_TOKENS", hybrid.MAX_TOKENS)
@@ -213,3 +214,54 @@ def test_hybrid_splits_prompts_and_fills(
     assert 0 < st.hits.sum() < st.routes.sum(), st
     assert st.answered > 0 and st.fills > 0, st
     assert (st.swaps > 0) == (policy == "adaptive"), st
+    assert (st.seeded_hits == 0).all() and (st.filled_hits == st.hits).all(), st  # no profile
+
+    # --moe-cache-audit: a generation's record says where its routes went.
+    import json
+
+    from freetoken.engine.audit import ExpertAudit
+
+    log = tmp_path / "audit.jsonl"
+    llm.audit = ExpertAudit(log, llm.model, llm.placement)
+    llm.generate(PROMPTS[0], max_tokens=8, temperature=0)
+    (rec,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rec["strategy"] == "hybrid" and 0 < rec["hit_rate"] < 1, rec
+    for la in rec["layers"]:
+        assert la["gpu_routes"] + la["cpu_routes"] == la["routes"] > 0, la
+        assert la["filled_hits"] == la["gpu_routes"], la
+    assert sorted(map(int, rec["resident"])) == [0, 1] and rec["uploaded_bytes"] >= 0
+
+
+@pytest.mark.parametrize("spec", ["1", "auto"])
+def test_hybrid_cpu_layers(
+    spec: str, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--moe-cpu-layers``: layer 1 named, or left out by ``auto`` under a page-lock cap
+    (FREETOKEN_PIN_LIMIT_MIB) that holds layer 0's experts only. That layer gets no slots
+    and no pinned memory; its routes go through the hand-off to the CPU, decode stays a
+    graph, and the outputs match the CPU's."""
+    from freetoken.engine.cpu_layers import PIN_LIMIT_ENV
+    from freetoken.engine.gpu_moe import ExpertLayer
+    from freetoken.engine.moe import MoeFFN
+
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    cpu = LLM(path, n_ctx=256, engine=EngineOptions(device="cpu"))
+    sizes = [
+        ExpertLayer.of(b.ffn).expert_nbytes * b.ffn.layer.n_experts
+        for b in cpu.model.blocks
+        if isinstance(b.ffn, MoeFFN)
+    ]
+    monkeypatch.setenv(PIN_LIMIT_ENV, str(1.5 * sizes[0] / (1 << 20)))
+    opts = EngineOptions(device="cuda", moe_strategy="hybrid", moe_cache_mib=1, moe_cpu_layers=spec)
+    llm = LLM(path, n_ctx=256, engine=opts)
+    place = llm.placement
+    assert place is not None and place.graphs
+    assert place.handoff_cpu_layers == [1] and place.cpu_layers == []
+    assert list(place.experts.of_layer) == [0]  # type: ignore[union-attr]
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        _check("qwen3moe", f"cpu layers {spec} prefill", ref, llm.logits(seq)[first:-1].numpy())
+        _check("qwen3moe", f"cpu layers {spec} decode", ref, _decode_logits(llm, seq, first))
+    st = place.experts.stats()  # type: ignore[union-attr]
+    assert st.routes[1] > 0 and st.hits[1] == 0

@@ -16,6 +16,7 @@ import torch
 from freetoken import _core
 from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
+from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.options import EngineOptions
 from freetoken.engine.sampler import Sampler, SamplingParams
@@ -119,6 +120,12 @@ class LLM:
         self.n_ctx = n_ctx
         #: Where the model went (None: all on the CPU).
         self.placement = engine_options.apply(self.model, engine, n_ctx)
+        #: ``--moe-cache-audit``: a record per generation (None: off).
+        self.audit = (
+            ExpertAudit(engine.moe_cache_audit, self.model, self.placement)
+            if engine.moe_cache_audit
+            else None
+        )
         # Allocated on first use: the server brings its own caches.
         self._cache: KVCache | None = None
         self._tokens: list[int] = []
@@ -206,6 +213,10 @@ class LLM:
                 stats.generation_seconds = time.perf_counter() - t1
             stats.generated_tokens = len(history) - len(prompt_tokens)
             stats.generation_seconds = time.perf_counter() - t1
+            if self.audit is not None:
+                self.audit.record(
+                    prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens
+                )
 
     def _stream_text(
         self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]

@@ -38,6 +38,7 @@ __all__ = [
     "ExpertLayer",
     "GpuMoeFFN",
     "OffloadExperts",
+    "PinnedExperts",
     "ResidentExperts",
     "gpu_servable",
     "pin_host_memory",
@@ -126,31 +127,48 @@ def gpu_servable(ex: ExpertLayer) -> bool:
     return all(gpu.kernel_for(m.qtype, t) for m in ex.kinds for t in (1, MAX_SLOT_TOKENS + 1))
 
 
-def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
-    """Page-locks the mapped expert bytes (cudaHostRegister, read-only) so uploads run
-    asynchronously at full PCIe speed, for as long as ``owner`` lives: the registration is
-    undone when it is collected, while the mapping is still held (a stale registration
-    would make later copies from a new mapping at the same addresses fail). False (uploads
-    still work, synchronously) if the host refuses, e.g. over RLIMIT_MEMLOCK."""
-    cudart = torch.cuda.cudart()
-    registered: list[int] = []
-    ok = True
-    for ex in layers:
+class PinnedExperts:
+    """Page-locked expert bytes (cudaHostRegister, read-only), so uploads run asynchronously
+    at full PCIe speed. The registrations are undone when this object is collected, while the
+    mapping is still held (a stale registration would make later copies from a new mapping at
+    the same addresses fail)."""
+
+    def __init__(self) -> None:
+        self.addresses: list[int] = []
+        self.layers: list[int] = []
+        self._mappings: list[Any] = []  # the mapping outlives the registration
+        self.release = weakref.finalize(
+            self, unregister_host_memory, self.addresses, self._mappings
+        )
+        """Undoes the registrations now (once; also when collected)."""
+
+    def pin(self, ex: ExpertLayer) -> bool:
+        """Pins one layer's experts; False (nothing of it left pinned) if the host refuses,
+        e.g. over RLIMIT_MEMLOCK. Per-expert tensors are left pageable."""
+        cudart = torch.cuda.cudart()
+        done: list[int] = []
         for m in ex.kinds:
             start = m.ranges[0][0]
             end = m.ranges[-1][0] + m.nbytes
             if end - start != m.nbytes * len(m.ranges):
-                continue  # per-expert tensors: left pageable
+                continue
             if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
                 clear_last_cuda_error()
-                ok = False
-                break
-            registered.append(start)
-        if not ok:
-            break
-    keep = [ex.layer for ex in layers]  # the mapping outlives the registration
-    weakref.finalize(owner, unregister_host_memory, registered, keep)
-    return ok
+                unregister_host_memory(done, [])
+                return False
+            done.append(start)
+        self.addresses.extend(done)
+        self._mappings.append(ex.layer)
+        self.layers.append(ex.index)
+        return True
+
+
+def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
+    """Pins ``layers`` (:class:`PinnedExperts`) for as long as ``owner`` lives; False at the
+    first layer the host refuses (uploads still work, synchronously)."""
+    pinned = PinnedExperts()
+    weakref.finalize(owner, pinned.release)
+    return all(pinned.pin(ex) for ex in layers)
 
 
 def clear_last_cuda_error() -> None:
@@ -272,7 +290,8 @@ class _Staging:
 
 class OffloadExperts(_PlannedPools):
     """The ``offload`` strategy: experts uploaded into slot pools on demand (decode; evicting
-    by ``policy``, ``lru`` or ``adaptive``), whole layers streamed double-buffered (prefill)."""
+    by ``policy``, ``lru`` or ``adaptive``), whole layers streamed double-buffered (prefill).
+    The experts' host bytes are page-locked here unless ``pinned`` already holds them."""
 
     def __init__(
         self,
@@ -281,11 +300,16 @@ class OffloadExperts(_PlannedPools):
         device: torch.device,
         policy: str = "lru",
         extra_slots: int = 0,
+        pinned: PinnedExperts | None = None,
     ) -> None:
         super().__init__(layers, plan, device, policy, extra_slots)
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
-        self.pinned = pin_host_memory(layers, self)
+        if pinned is None:
+            self.pinned = pin_host_memory(layers, self)
+        else:  # pinned by the caller (--moe-cpu-layers auto), kept as long as these pools
+            self._pins = pinned
+            self.pinned = set(pinned.layers) >= set(self.order)
         self.copy_stream = torch.cuda.Stream(device)
         sizes = [
             max(

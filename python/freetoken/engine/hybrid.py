@@ -36,6 +36,7 @@ from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
     OffloadExperts,
+    PinnedExperts,
     clear_last_cuda_error,
     unregister_host_memory,
 )
@@ -57,6 +58,7 @@ FILLS_PER_STEP = 32
 SWAPS_PER_STEP = 16
 #: Bandwidths assumed without a ``bench-bw`` profile, GB/s (CPU expert kernels, PCIe).
 DEFAULT_B_CPU, DEFAULT_B_PCIE = 50.0, 25.0
+SEEDED, FILLED = 1, 2  # origin of a resident expert
 _REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _PAGE = 4096
 
@@ -89,17 +91,23 @@ class MappedHost:
 
 @dataclass
 class HybridStats:
-    """Counters since load: per MoE layer (model order) the routes and how many hit a slot;
-    hand-off requests the CPU answered and the seconds it spent answering; experts uploaded
-    into slots (fills of free slots, swaps over residents)."""
+    """Counters since load: per MoE layer (model order) the routes, how many hit a slot, and
+    of those how many hit an expert the pools were seeded with (a profile's) or one filled in
+    since; hand-off requests the CPU answered and the seconds it spent answering; experts
+    uploaded into slots (fills of free slots, swaps over residents) and bytes uploaded
+    (seeding included); each layer's resident expert ids."""
 
     layers: list[int]
     routes: np.ndarray
     hits: np.ndarray
+    seeded_hits: np.ndarray
+    filled_hits: np.ndarray
     answered: int
     cpu_busy_s: float
     fills: int
     swaps: int
+    uploaded_bytes: int
+    resident: list[list[int]]
 
     @property
     def hit_rate(self) -> float:
@@ -109,10 +117,13 @@ class HybridStats:
 
 
 class HybridExperts(OffloadExperts):
-    """The ``hybrid`` strategy over the pools of ``plan`` (each with ``top_k`` zeroed slots
-    after its own, where misses point), the CPU half on ``executor``. ``policy`` is the
-    slots' (``lru`` fills free slots only; ``adaptive`` also swaps); ``bandwidth`` a
-    :class:`freetoken.bandwidth.KindBandwidth` for the prefill decision, or None."""
+    """The ``hybrid`` strategy over the pools of ``plan`` for ``layers`` (each pool with
+    ``top_k`` zeroed slots after its own, where misses point), the CPU half on ``executor``.
+    ``cpu_only`` layers have no slots: every route of theirs goes through the hand-off to the
+    CPU (``--moe-cpu-layers``, and experts the GPU kernels cannot serve), so steps stay
+    graphs. ``policy`` is the slots' (``lru`` fills free slots only; ``adaptive`` also
+    swaps); ``bandwidth`` a :class:`freetoken.bandwidth.KindBandwidth` for the prefill
+    decision, or None; ``pinned`` the layers' page-locked bytes when the caller pinned them."""
 
     def __init__(
         self,
@@ -122,17 +133,25 @@ class HybridExperts(OffloadExperts):
         executor: _core.MoeExecutor,
         policy: str = "lru",
         bandwidth: Any = None,
+        cpu_only: Sequence[ExpertLayer] = (),
+        pinned: PinnedExperts | None = None,
     ) -> None:
-        first = layers[0]
+        served = sorted([*layers, *cpu_only], key=lambda ex: ex.index)
+        first = served[0]
         shape = (first.gate.k, first.n_experts, first.top_k)
-        for ex in layers:
+        for ex in served:
             if (ex.gate.k, ex.n_experts, ex.top_k) != shape:
                 raise ShapeError("hybrid needs MoE layers of one width, expert count and top-k")
         hidden, n_experts, top_k = shape
-        super().__init__(layers, plan, device, policy, extra_slots=top_k)
+        super().__init__(layers, plan, device, policy, extra_slots=top_k, pinned=pinned)
         self.executor, self.top_k, self.policy = executor, top_k, policy
         self.bandwidth = bandwidth
-        n = len(self.order)
+        self.cpu_only = {ex.index: ex for ex in cpu_only}
+        # The hand-off serves every layer, in model order (its own positions).
+        self.served = [ex.index for ex in served]
+        self.handoff_pos = {li: i for i, li in enumerate(self.served)}
+        self.all_layers = {ex.index: ex for ex in served}
+        n = len(self.served)
         self.host = MappedHost(
             {
                 "block": (np.int64, (WORDS,)),
@@ -159,16 +178,20 @@ class HybridExperts(OffloadExperts):
                 cache.n_slots, cache.n_slots + top_k, dtype=torch.int32, device=device
             ).view(1, -1)
             for layer, expert in held:
-                self.resident[self.position[layer], expert] = cache.slot_of(layer, expert)
+                self.resident[self.handoff_pos[layer], expert] = cache.slot_of(layer, expert)
+        # Where each resident came from: the plan's seed (a profile's hottest) or a fill.
+        self.origin = np.where(self.resident >= 0, SEEDED, 0).astype(np.int8)
         self.resident_dev = torch.from_numpy(self.resident).to(device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
         self.ticket: Any = None
-        self.serving = False
+        self.serving = self.split = False
         self.n_tokens = 0
         self.steps = 0
         self.routes = np.zeros(n, dtype=np.int64)
         self.hits = np.zeros(n, dtype=np.int64)
+        self.seeded_hits = np.zeros(n, dtype=np.int64)
+        self.filled_hits = np.zeros(n, dtype=np.int64)
         self.fills = self.swaps = 0
 
     # -- the step -------------------------------------------------------------------------
@@ -178,13 +201,15 @@ class HybridExperts(OffloadExperts):
         and starts the CPU thread when splitting."""
         self._publish_uploads()
         self.n_tokens = n_tokens
-        self.serving = n_tokens <= MAX_TOKENS and self._split_pays(n_tokens)
+        fits = n_tokens <= MAX_TOKENS
+        self.split = fits and self._split_pays(n_tokens)
+        self.serving = fits and (self.split or bool(self.cpu_only))
         if not self.serving:
             return
         a = self.host.arrays
         self.block[STOP] = 0
         self.ticket = self.executor.serve_handoffs(
-            [self.layers[li].layer for li in self.order],
+            [self.all_layers[li].layer for li in self.served],
             (self.host, self.resident),
             self.block.ctypes.data,
             a["x"].ctypes.data,
@@ -221,22 +246,40 @@ class HybridExperts(OffloadExperts):
     def launch(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        if not self.serving:
+        pooled = ex.index in self.of_layer
+        if pooled and not self.split:
             return self._launch_streamed(ex, x, ids, weights)
-        t, pos = ids.shape[0], self.position[ex.index]
+        if not self.serving:
+            return self._cpu_direct(ex, x, ids, weights)
+        t, pos = ids.shape[0], self.handoff_pos[ex.index]
         v = self.views
         v["x"][:t].copy_(x, non_blocking=True)
         v["ids"][pos, :t].copy_(ids, non_blocking=True)
         v["weights"][pos, :t].copy_(weights, non_blocking=True)
         gpu.handoff_signal(self.counter, self.block.ctypes.data, (t << 32) | pos)
-        cache, pools = self.of_layer[ex.index]
-        slots = self.resident_dev[pos][ids.long()]
-        hit = slots >= 0
-        slots = torch.where(hit, slots, self.dummies[id(cache)])
-        w = torch.where(hit, weights, 0.0)
-        out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
+        if pooled:
+            cache, pools = self.of_layer[ex.index]
+            slots = self.resident_dev[pos][ids.long()]
+            hit = slots >= 0
+            slots = torch.where(hit, slots, self.dummies[id(cache)])
+            w = torch.where(hit, weights, 0.0)
+            out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
+        else:
+            out = torch.zeros_like(x)
         gpu.handoff_wait_add(self.counter, self.block.ctypes.data, v["out"][:t], out, TIMEOUT_S)
         return out
+
+    def _cpu_direct(
+        self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A slotless layer in a step too long for the hand-off buffers: through the host."""
+        xh, ih, wh = x.cpu(), ids.cpu(), weights.cpu()
+        out = torch.empty_like(xh)
+        self.executor.run(
+            ex.layer, xh.data_ptr(), xh.numel(), ih.data_ptr(), wh.data_ptr(), ih.numel(),
+            out.data_ptr(),
+        )  # fmt: skip
+        return out.to(x.device)
 
     def _split_pays(self, n_tokens: int) -> bool:
         """Whether computing a layer's expected misses on the CPU beats streaming the layer
@@ -264,17 +307,25 @@ class HybridExperts(OffloadExperts):
 
     def _account(self, t: int) -> None:
         """The step's routes: hit counters, the policy's bookkeeping, uploads of misses."""
-        n, k = len(self.order), self.top_k
+        n, k = len(self.served), self.top_k
+        # The layers that went through the hand-off this step (a streamed step: the
+        # slotless ones only); the others' rows of `ids` are an older step's.
+        active = np.array([self.split or li in self.cpu_only for li in self.served])
         ids = self.host.arrays["ids"][:, :t].reshape(n, t * k)
-        hit = np.take_along_axis(self.resident, ids, axis=1) >= 0
-        self.routes += t * k
+        hit = (np.take_along_axis(self.resident, ids, axis=1) >= 0) & active[:, None]
+        origin = np.take_along_axis(self.origin, ids, axis=1)
+        self.routes += t * k * active
         self.hits += hit.sum(axis=1)
+        self.seeded_hits += (hit & (origin == SEEDED)).sum(axis=1)
+        self.filled_hits += (hit & (origin == FILLED)).sum(axis=1)
         fills, swaps = FILLS_PER_STEP, SWAPS_PER_STEP
         batches: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = {}
         self.steps += 1
         for i in range(n):
             pos = (i + self.steps) % n  # a different layer first each step
-            li = self.order[pos]
+            li = self.served[pos]
+            if not active[pos] or li in self.cpu_only:
+                continue
             cache, pools = self.of_layer[li]
             routes = np.ascontiguousarray(ids[pos].reshape(t, k))
             cache.lookup(li, routes)
@@ -304,13 +355,14 @@ class HybridExperts(OffloadExperts):
             return
         pos, expert, slot = (np.array(c, dtype=np.int64) for c in zip(*entries, strict=True))
         self.resident[pos, expert] = slot
+        self.origin[pos, expert] = np.where(slot >= 0, FILLED, 0)
         idx = (torch.from_numpy(pos).to(self.device), torch.from_numpy(expert).to(self.device))
         self.resident_dev[idx] = torch.from_numpy(slot.astype(np.int32)).to(self.device)
 
     def _start_uploads(
         self, cache: SlotCache, pools: tuple[gpu.ExpertPool, ...], ups: list[Upload]
     ) -> None:
-        gone = [(self.position[u.evicted[0]], u.evicted[1], -1) for u in ups if u.evicted]
+        gone = [(self.handoff_pos[u.evicted[0]], u.evicted[1], -1) for u in ups if u.evicted]
         self.swaps += len(gone)
         self.fills += len(ups) - len(gone)
         self._set_resident(gone)
@@ -330,7 +382,7 @@ class HybridExperts(OffloadExperts):
         self.pending = [p for p in self.pending if p not in done]
         self._set_resident(
             [
-                (self.position[u.layer], u.expert, u.slot)
+                (self.handoff_pos[u.layer], u.expert, u.slot)
                 for _, ups in done
                 for cache, u in ups
                 if cache.slot_of(u.layer, u.expert) == u.slot
@@ -340,11 +392,15 @@ class HybridExperts(OffloadExperts):
     def stats(self) -> HybridStats:
         """The counters since load."""
         return HybridStats(
-            layers=list(self.order),
+            layers=list(self.served),
             routes=self.routes.copy(),
             hits=self.hits.copy(),
+            seeded_hits=self.seeded_hits.copy(),
+            filled_hits=self.filled_hits.copy(),
             answered=int(self.block[ANSWERED]),
             cpu_busy_s=int(self.block[BUSY_NS]) / 1e9,
             fills=self.fills,
             swaps=self.swaps,
+            uploaded_bytes=self.uploaded_bytes,
+            resident=[np.flatnonzero(row >= 0).tolist() for row in self.resident],
         )

@@ -46,7 +46,9 @@ class EngineOptions:
     ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
     them; ``moe_cache_adaptive`` evicts by aged route counts instead of recency.
-    ``moe_cpu_threads``: the CPU expert executor's threads."""
+    ``moe_cpu_threads``: the CPU expert executor's threads. ``moe_cpu_layers``: MoE layers
+    only the CPU serves (ids and ranges, a count, or ``auto``: engine/cpu_layers.py).
+    ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py)."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -56,6 +58,8 @@ class EngineOptions:
     moe_cache_profile: str | None = None
     moe_cache_adaptive: bool = False
     moe_cpu_threads: int | None = None
+    moe_cpu_layers: str | None = None
+    moe_cache_audit: str | None = None
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -68,6 +72,9 @@ class EngineOptions:
                 raise InvalidInputError(f"{flag} {value}: choose one of {', '.join(allowed)}")
         if self.moe_cache_mib is not None and self.moe_cache_mib < 0:
             raise InvalidInputError(f"--moe-cache-mib must be >= 0, got {self.moe_cache_mib}")
+        from freetoken.engine.cpu_layers import parse_cpu_layers
+
+        parse_cpu_layers(self.moe_cpu_layers, range(1 << 20))  # the syntax; ids at placement
         if self.moe_cpu_threads is not None and self.moe_cpu_threads < 1:
             raise InvalidInputError(
                 f"--moe-cpu-threads must be at least 1, got {self.moe_cpu_threads}"
@@ -85,9 +92,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where routed experts run with a GPU (auto: gpu when all fit, else hybrid)",
     )
     g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
+    g.add_argument(
+        "--moe-cpu-layers",
+        default=None,
+        metavar="SPEC",
+        help="MoE layers served by the CPU only: ids/ranges (0,2,5-7), a count, or auto",
+    )
     g.add_argument("--moe-cache-mib", type=int, default=None, help="GPU expert cache size")
     g.add_argument("--moe-cache-scope", choices=CACHE_SCOPES, default="type")
     g.add_argument("--moe-cache-profile", default=None, help="expert-use profile (JSON)")
+    g.add_argument(
+        "--moe-cache-audit",
+        default=None,
+        metavar="FILE.jsonl",
+        help="append one record per generation: where each layer's routes were computed",
+    )
     g.add_argument(
         "--moe-cache-adaptive",
         action="store_true",
@@ -109,6 +128,8 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_profile=args.moe_cache_profile,
         moe_cache_adaptive=args.moe_cache_adaptive,
         moe_cpu_threads=args.moe_cpu_threads,
+        moe_cpu_layers=args.moe_cpu_layers,
+        moe_cache_audit=args.moe_cache_audit,
     )
 
 
@@ -155,4 +176,5 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         cache_scope=opts.moe_cache_scope,
         cache_profile=opts.moe_cache_profile,
         cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
+        cpu_layers=opts.moe_cpu_layers,
     )

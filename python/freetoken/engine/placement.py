@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from freetoken.engine import gpu
+from freetoken.engine.cpu_layers import parse_cpu_layers, pin_budget, split_for_pinning
 from freetoken.engine.cuda_graph import GraphDecoder
 from freetoken.engine.gpu_layers import (
     GpuEmbedding,
@@ -30,13 +31,14 @@ from freetoken.engine.gpu_moe import (
     ExpertLayer,
     GpuMoeFFN,
     OffloadExperts,
+    PinnedExperts,
     ResidentExperts,
     gpu_servable,
 )
 from freetoken.engine.hybrid import HybridExperts
 from freetoken.engine.moe import MoeFFN
 from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
-from freetoken.engine.slots import plan_pools
+from freetoken.engine.slots import CachePlan, plan_pools
 from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
@@ -58,6 +60,8 @@ class Placement:
     dense_bytes: int = 0
     expert_bytes: int = 0
     cpu_layers: list[int] = field(default_factory=list)
+    #: Layers without slots whose routes the hybrid hand-off sends to the CPU.
+    handoff_cpu_layers: list[int] = field(default_factory=list)
     graphs: bool = False
     notes: list[str] = field(default_factory=list)
     #: The expert pools (Resident-, Offload- or HybridExperts), None when all are on the CPU.
@@ -71,6 +75,8 @@ class Placement:
         ]
         if self.cpu_layers:
             lines.append(f"  MoE layers on the CPU executor: {self.cpu_layers}")
+        if self.handoff_cpu_layers:
+            lines.append(f"  MoE layers on the CPU through the hand-off: {self.handoff_cpu_layers}")
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -129,6 +135,7 @@ def place_on_gpu(
     cache_scope: str = "type",
     cache_profile: Any = None,
     cache_policy: str = "lru",
+    cpu_layers: str | None = None,
     device: torch.device | str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Placement:
@@ -136,7 +143,8 @@ def place_on_gpu(
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
-    in shape, which one hand-off cannot serve). Returns what it did."""
+    in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
+    (:mod:`freetoken.engine.cpu_layers`). Returns what it did."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
@@ -149,10 +157,13 @@ def place_on_gpu(
         dev = torch.device("cuda", torch.cuda.current_device())
     log = log or (lambda msg: print(msg, file=sys.stderr))
     layers = _expert_layers(model)
-    servable = [ex for ex in layers if strategy != "cpu" and gpu_servable(ex)]
-    place = Placement(
-        strategy, dense, dev, cpu_layers=[ex.index for ex in layers if ex not in servable]
-    )
+    wanted = parse_cpu_layers(cpu_layers, [ex.index for ex in layers])
+    servable = [
+        ex
+        for ex in layers
+        if strategy != "cpu" and gpu_servable(ex) and (wanted is None or ex.index not in wanted)
+    ]
+    place = Placement(strategy, dense, dev)
 
     # Dense parts first (MoE feed-forwards are left for below): what they take decides what
     # is left for the experts.
@@ -169,21 +180,20 @@ def place_on_gpu(
 
     experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
-        experts, place.strategy = _experts(
-            servable,
-            strategy,
-            n_ctx,
-            cache_mib,
-            cache_scope,
-            cache_profile,
-            cache_policy,
-            model,
-            dev,
-            place,
+        opts = _CacheOptions(
+            n_ctx, cache_mib, cache_scope, cache_profile, cache_policy, cpu_auto=wanted is None
         )
+        experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
+    if experts is not None:
         place.expert_bytes = experts.nbytes
         place.experts = experts
-    on_gpu = {ex.index: ex for ex in servable}
+        on_gpu = {ex.index: ex for ex in layers if ex.index in experts.layers}
+        if isinstance(experts, HybridExperts):
+            on_gpu = dict(experts.all_layers)
+            place.handoff_cpu_layers = sorted(experts.cpu_only)
+    else:
+        on_gpu = {}
+    place.cpu_layers = [ex.index for ex in layers if ex.index not in on_gpu]
     for blk in model.blocks:
         ffn = blk.ffn
         if not isinstance(ffn, MoeFFN):
@@ -210,43 +220,89 @@ def place_on_gpu(
     return place
 
 
-def _experts(
+@dataclass(frozen=True)
+class _CacheOptions:
+    n_ctx: int
+    cache_mib: int | None
+    scope: str
+    profile: Any
+    policy: str
+    #: ``--moe-cpu-layers auto``: pin layers in order while the host allows.
+    cpu_auto: bool
+
+
+def _budget(
     layers: list[ExpertLayer],
-    strategy: str,
-    n_ctx: int,
-    cache_mib: int | None,
-    scope: str,
-    profile: Any,
-    policy: str,
+    o: _CacheOptions,
     model: Transformer,
     dev: torch.device,
     place: Placement,
-) -> tuple[ResidentExperts | OffloadExperts | HybridExperts, str]:
+) -> int:
     total = sum(ex.expert_nbytes * ex.n_experts for ex in layers)
-    if cache_mib is None:
-        free, _ = torch.cuda.mem_get_info(dev)
-        kv = model.kv_bytes(n_ctx)
-        budget = max(0, free - kv - WORKSPACE_BYTES)
+    if o.cache_mib is not None:
         place.notes.append(
-            f"expert cache: {free / _MIB:.0f} MiB free - {kv / _MIB:.0f} MiB KV cache "
-            f"({n_ctx} positions) - {WORKSPACE_BYTES / _MIB:.0f} MiB workspace = "
-            f"{budget / _MIB:.0f} MiB (experts: {total / _MIB:.0f} MiB)"
+            f"expert cache: --moe-cache-mib {o.cache_mib} (experts: {total / _MIB:.0f} MiB)"
         )
-    else:
-        budget = cache_mib * _MIB
-        place.notes.append(
-            f"expert cache: --moe-cache-mib {cache_mib} (experts: {total / _MIB:.0f} MiB)"
-        )
-    plan = plan_pools(
-        [ex.spec() for ex in layers],
-        budget,
-        scope=scope,
-        profile=profile,
-        architecture=model.cfg.arch,
-        n_layers=model.cfg.n_layers,
+        return o.cache_mib * _MIB
+    free, _ = torch.cuda.mem_get_info(dev)
+    kv = model.kv_bytes(o.n_ctx)
+    budget = max(0, free - kv - WORKSPACE_BYTES)
+    place.notes.append(
+        f"expert cache: {free / _MIB:.0f} MiB free - {kv / _MIB:.0f} MiB KV cache "
+        f"({o.n_ctx} positions) - {WORKSPACE_BYTES / _MIB:.0f} MiB workspace = "
+        f"{budget / _MIB:.0f} MiB (experts: {total / _MIB:.0f} MiB)"
     )
+    return budget
+
+
+def _pin_auto(
+    layers: list[ExpertLayer], place: Placement
+) -> tuple[PinnedExperts, list[ExpertLayer]]:
+    """``--moe-cpu-layers auto``: pins the layers in order while the host allows; returns
+    the pins and the layers pinned."""
+    pins = PinnedExperts()
+    budget, source = pin_budget()
+    by_index = {ex.index: ex for ex in layers}
+    kept, dropped = split_for_pinning(
+        [(ex.index, ex.expert_nbytes * ex.n_experts) for ex in layers],
+        budget,
+        lambda li: pins.pin(by_index[li]),
+    )
+    limit = "no limit" if budget is None else f"{budget / _MIB:.0f} MiB ({source})"
+    place.notes.append(
+        f"--moe-cpu-layers auto: pinned {len(kept)} of {len(layers)} MoE layers within "
+        f"{limit}; CPU only: {dropped or 'none'}"
+    )
+    return pins, [by_index[li] for li in kept]
+
+
+def _experts(
+    layers: list[ExpertLayer],
+    all_layers: list[ExpertLayer],
+    strategy: str,
+    o: _CacheOptions,
+    model: Transformer,
+    dev: torch.device,
+    place: Placement,
+) -> tuple[ResidentExperts | OffloadExperts | HybridExperts | None, str]:
+    """The expert pools of ``layers`` (GPU-servable) per ``strategy``, and the strategy
+    (``auto`` resolved); None when ``--moe-cpu-layers auto`` could pin none of them."""
+    budget = _budget(layers, o, model, dev, place)
+
+    def plan_for(ls: list[ExpertLayer]) -> CachePlan:
+        return plan_pools(
+            [ex.spec() for ex in ls],
+            budget,
+            scope=o.scope,
+            profile=o.profile,
+            architecture=model.cfg.arch,
+            n_layers=model.cfg.n_layers,
+        )
+
+    plan = plan_for(layers)
     if strategy == "auto":
-        strategy = "gpu" if plan.all_resident else "hybrid" if _one_shape(layers) else "offload"
+        one = _one_shape(all_layers)
+        strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
         place.notes.append(f"--moe-strategy auto: {strategy} ({_why(strategy, model)})")
     if strategy == "gpu" and not plan.all_resident:
         raise InvalidInputError(
@@ -255,6 +311,13 @@ def _experts(
         )
     if strategy == "gpu":
         return ResidentExperts(layers, plan, dev), strategy
+    pins = None
+    if o.cpu_auto:
+        pins, pinned = _pin_auto(layers, place)
+        if not pinned:
+            return None, strategy
+        if len(pinned) < len(layers):
+            layers, plan = pinned, plan_for(pinned)
     place.notes.append(plan.explanation)
     if strategy == "hybrid":
         if model.moe is None:
@@ -263,9 +326,13 @@ def _experts(
 
         profile = load_bandwidth_profile(model)
         bw = profile.for_layer(layers[0]) if profile is not None else None
-        experts = HybridExperts(layers, plan, dev, model.moe.executor, policy, bw)
+        # Layers without slots still go through the hand-off when it can serve them.
+        cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
+        experts: OffloadExperts = HybridExperts(
+            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins
+        )
     else:
-        experts = OffloadExperts(layers, plan, dev, policy)
+        experts = OffloadExperts(layers, plan, dev, o.policy, pinned=pins)
     if not experts.pinned:
         place.notes.append("expert memory could not be pinned: uploads are synchronous")
     return experts, strategy

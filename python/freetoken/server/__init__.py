@@ -73,6 +73,55 @@ def _moe_counters(model: Any) -> Any:
     return source
 
 
+#: Where routes were computed (engine/audit.py), summed over the MoE layers.
+PLACEMENT_SERIES = (
+    ("routes", "counter", "Routes through the MoE layers"),
+    ("gpu_routes", "counter", "Routes served from a GPU expert slot"),
+    ("cpu_routes", "counter", "Routes computed by the CPU expert executor"),
+    ("seeded_hits", "counter", "GPU routes on experts seeded from the plan or profile"),
+    ("filled_hits", "counter", "GPU routes on experts filled into slots later (hybrid)"),
+    ("uploaded_bytes", "counter", "Expert bytes uploaded into GPU slots"),
+)
+
+
+def _expert_placement(llm: Any) -> Any:
+    """A metrics source for :func:`freetoken.engine.audit.expert_counters`."""
+    from freetoken.engine.audit import expert_counters
+
+    def source() -> list[tuple[str, str, str, float]]:
+        c = expert_counters(llm.model, llm.placement)
+        if not c["layers"]:
+            return []
+        sums = {k: sum(la.get(k, 0) for la in c["layers"].values()) for k, *_ in PLACEMENT_SERIES}
+        sums["cpu_routes"] = sums["routes"] - sums["gpu_routes"]
+        sums["uploaded_bytes"] = c.get("uploaded_bytes", 0)
+        return [
+            (f"freetoken_moe_{name}_total", kind, help_text, float(sums[name]))
+            for name, kind, help_text in PLACEMENT_SERIES
+        ]
+
+    return source
+
+
+class _Audited:
+    """The metrics hooks, plus an audit record per finished request."""
+
+    def __init__(self, hooks: Any, audit: Any) -> None:
+        self._hooks, self._audit = hooks, audit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hooks, name)
+
+    def on_finish(self, job: Any) -> None:
+        self._hooks.on_finish(job)
+        self._audit.record(
+            request=job.id,
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            generated_tokens=job.completion_tokens,
+        )
+
+
 def build_state(
     llm: Any,
     *,
@@ -93,6 +142,7 @@ def build_state(
     holder: dict[str, ServerState] = {}
     metrics = ServerMetrics(lambda: holder["state"].status())
     metrics.registry.add_source(_moe_counters(llm.model))
+    metrics.registry.add_source(_expert_placement(llm))
     scheduler = Scheduler(
         llm.model,
         llm.tokenizer,
@@ -100,7 +150,7 @@ def build_state(
         n_ctx=n_ctx,
         vocab_size=llm.vocab_size,
         batch_tokens=batch_tokens,
-        hooks=metrics,
+        hooks=metrics if llm.audit is None else _Audited(metrics, llm.audit),
     )
     template = getattr(llm.tokenizer, "chat_template", None)
     cfg = ServerConfig(

@@ -1,0 +1,60 @@
+"""``--moe-cache-audit FILE.jsonl`` (engine/audit.py) and the same counters on ``/metrics``,
+on the CPU (the GPU strategies' records: tests/test_gpu_models.py). Expected counts come from
+the generation's own arithmetic: a fresh cache evaluates the prompt and every generated token
+but the last, each through every MoE layer with ``top_k`` routes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from freetoken.engine.options import EngineOptions
+from freetoken.errors import FileAccessError
+from freetoken.llm import LLM
+from freetoken.server import _expert_placement
+from synthetic import build_models
+
+TOP_K = 2
+N_GEN = 5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = dict(arch="qwen3moe", head_dim=32, experts=8, top_k=TOP_K, expert_ffn=64)
+    base = dict(layers=2, hidden=128, ffn=256, heads=4, kv_heads=2, seed=5, quant="q8_0")
+    return build_models({"moe": spec}, base, tmp_path_factory.mktemp("audit"))["moe"]
+
+
+def test_one_record_per_generation(model: Path, tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    llm = LLM(model, n_ctx=128, engine=EngineOptions(device="cpu", moe_cache_audit=str(log)))
+    out = [llm.generate(p, max_tokens=N_GEN, temperature=0) for p in ("One two", "Three")]
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(recs) == 2 and all(isinstance(o, str) for o in out)
+    first = recs[0]
+    assert first["strategy"] == "cpu" and first["prompt_tokens"] == len(llm.tokenize("One two"))
+    g = first["generated_tokens"]
+    evaluated = first["prompt_tokens"] + g - (1 if g == N_GEN else 0)
+    assert [la["layer"] for la in first["layers"]] == [0, 1]
+    for la in first["layers"]:
+        assert la["routes"] == evaluated * TOP_K
+        assert la["cpu_routes"] == la["routes"] and la["gpu_routes"] == 0
+        assert la["hit_rate"] == 0.0
+    assert first["hit_rate"] == 0.0 and first["cpu_routes"] == 2 * evaluated * TOP_K
+    # The second record counts only its own generation (the shared prefix is not re-run).
+    second = recs[1]["layers"][0]["routes"]
+    assert 0 < second <= (recs[1]["prompt_tokens"] + N_GEN) * TOP_K
+
+    # /metrics: the same counters, summed over the layers, since load.
+    series = {name: v for name, _, _, v in _expert_placement(llm)()}
+    total = sum(r["cpu_routes"] for r in recs)
+    assert series["freetoken_moe_routes_total"] == total
+    assert series["freetoken_moe_cpu_routes_total"] == total
+    assert series["freetoken_moe_gpu_routes_total"] == 0
+
+
+def test_unwritable_audit_log(model: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "missing" / "audit.jsonl"
+    with pytest.raises(FileAccessError, match="audit log"):
+        LLM(model, n_ctx=64, engine=EngineOptions(device="cpu", moe_cache_audit=str(bad)))
