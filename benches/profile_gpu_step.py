@@ -2,7 +2,8 @@
 steps (no graph, so each kernel shows), by total time and count, from torch.profiler; and
 the replayed-graph decode step's time.
 
-    python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant]
+    python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant] \
+        [--moe-strategy hybrid --moe-cache-mib N]
 """
 
 from __future__ import annotations
@@ -31,12 +32,19 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=8, help="decode steps profiled")
     ap.add_argument("--dense-weights", default="quant")
+    ap.add_argument("--moe-strategy", default="gpu")
+    ap.add_argument("--moe-cache-mib", type=int, default=None)
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
     llm = LLM(
         args.model,
         n_ctx=args.p + 64,
-        engine=EngineOptions(device="cuda", moe_strategy="gpu", dense_weights=args.dense_weights),
+        engine=EngineOptions(
+            device="cuda",
+            moe_strategy=args.moe_strategy,
+            dense_weights=args.dense_weights,
+            moe_cache_mib=args.moe_cache_mib,
+        ),
     )
     model = llm.model
     tokens = list(range(100, 100 + args.p))
