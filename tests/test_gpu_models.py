@@ -232,7 +232,7 @@ def test_hybrid_splits_prompts_and_fills(
     assert sorted(map(int, rec["resident"])) == [0, 1] and rec["uploaded_bytes"] >= 0
 
 
-@pytest.mark.parametrize("spec", ["1", "auto"])
+@pytest.mark.parametrize("spec", ["1-1", "auto"])
 def test_hybrid_cpu_layers(
     spec: str, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
