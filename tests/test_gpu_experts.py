@@ -252,7 +252,7 @@ def _ref_layer(gd, ud, dd, x, ids, w, act):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("t", [1, 8, 9, 64])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 64])
 @pytest.mark.parametrize(
     ("types", "act"),
     [(("Q4_0", "Q4_0", "Q4_0"), "silu"), (("Q4_K", "Q4_K", "Q6_K"), "gelu"),
