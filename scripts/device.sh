@@ -8,13 +8,16 @@
 #                                         bench-model if missing) against llama-bench
 #   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
 #                                         llama-bench -ncmoe on the uniform and zipf models
+#   bash scripts/device.sh bench-streams  on the GPU machine: 4 and 16 concurrent streams,
+#                                         freetoken serve (hybrid) against llama-server -ncmoe
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
-#   UI or unused backends: about 31 MB) and the abi3 wheel, built with the explicit GGML CPU
+#   UI sources or unused backends: about 32 MB) and the abi3 wheel, built with the explicit GGML CPU
 #   options below (never native) so that it runs on the GPU machine too.
 # build:   one cmake/ninja tree in $FT_BUILD (default /tmp/ft-build) builds libfreetoken_cuda.so
-#   and llama.cpp's llama-bench, so ggml-cuda compiles once; the wheel is installed into
-#   $FT_SITE (default /tmp/ft-site) with the working tree's Python sources over it.
+#   and llama.cpp's llama-bench and llama-server (no web UI), so ggml-cuda compiles once; the
+#   wheel is installed into $FT_SITE (default /tmp/ft-site) with the working tree's Python
+#   sources over it.
 # test:    pytest -m gpu on that install (builds first if $FT_BUILD has no library).
 # bench:   benches/bench_gpu_experts.py, and llama-bench when FT_BENCH_MODEL names a GGUF.
 # bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
@@ -53,8 +56,10 @@ prepare() {
         # Qwen3-30B-A3B-shaped benchmark model).
         mkdir -p ../vocab
         cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
-        rm -rf docs models tests examples pocs media gguf-py benches tools/ui tools/server \
-            .freetoken-complete
+        rm -rf docs models tests examples pocs media gguf-py benches tools/server/tests \
+            tools/server/bench .freetoken-complete
+        # llama-server is built without its web UI: only the UI's CMake file stays.
+        find tools/ui -mindepth 1 ! -name CMakeLists.txt -exec rm -rf {} +
         mkdir models
         mv ../vocab/*.gguf models/
         rmdir ../vocab
@@ -97,6 +102,10 @@ build() {
         tail -20 "$OUT/build.log"
         exit 1
     }
+    # The server reference for the concurrent-stream comparison; its failure does not stop
+    # the rest.
+    cmake --build "$FT_BUILD" --target llama-server -j "$(nproc)" >"$OUT/build-server.log" 2>&1 ||
+        log "llama-server did not build (see build-server.log)"
     log "built in $((SECONDS - t0)) s: $(du -h "$FT_BUILD/libfreetoken_cuda.so" | cut -f1) library"
     nm -D --defined-only "$FT_BUILD/libfreetoken_cuda.so" | awk '{print $3}' | sort >"$OUT/exports.txt"
     log "exported symbols: $(tr '\n' ' ' <"$OUT/exports.txt")"
@@ -194,6 +203,18 @@ bench_hybrid() {
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
+# Concurrent streams (issue 7): freetoken serve --moe-strategy hybrid at a 25% cache against
+# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM).
+bench_streams() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    bench_model
+    python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
+        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16}" -n 64 \
+        -t "$(nproc)" --freetoken-args "--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
+        --llama-args "-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
+        --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
+}
+
 # Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
@@ -202,7 +223,7 @@ profile_step() {
 }
 
 [ $# -gt 0 ] || {
-    sed -n '2,21p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
 }
 for phase in "$@"; do
@@ -214,10 +235,11 @@ for phase in "$@"; do
     bench-model) bench_model ;;
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
+    bench-streams) bench_streams ;;
     profile) profile_step ;;
     *)
         log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e," \
-            "bench-hybrid, profile)"
+            "bench-hybrid, bench-streams, profile)"
         exit 2
         ;;
     esac
