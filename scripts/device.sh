@@ -58,8 +58,8 @@ prepare() {
         cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
         rm -rf docs models tests examples pocs media gguf-py benches tools/server/tests \
             tools/server/bench .freetoken-complete
-        # llama-server is built without its web UI: only the UI's CMake file stays.
-        find tools/ui -mindepth 1 ! -name CMakeLists.txt -exec rm -rf {} +
+        # llama-server is built without its web UI: only the UI's CMake file and templates stay.
+        find tools/ui -mindepth 1 ! -name CMakeLists.txt ! -name '*.in' -exec rm -rf {} +
         mkdir models
         mv ../vocab/*.gguf models/
         rmdir ../vocab
