@@ -29,10 +29,8 @@ def _timed_moe(self: moe.MoeFFN, x: torch.Tensor) -> torch.Tensor:
     t0 = time.perf_counter()
     x = x.contiguous()
     ids, weights = route(self.router(x), self.routing, self.selection_bias)
-    out = torch.empty_like(x)
     t1 = time.perf_counter()
-    self.executor.run(self.layer, x.data_ptr(), x.numel(), ids.data_ptr(), weights.data_ptr(),
-                      ids.numel(), out.data_ptr())  # fmt: skip
+    out = moe.run_experts(self.executor, self.layer, x, ids, weights)
     t2 = time.perf_counter()
     if self.shared is not None:
         out = out + self.shared(x)

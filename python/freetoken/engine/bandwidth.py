@@ -39,7 +39,7 @@ import torch
 from freetoken import _core
 from freetoken.engine import gpu
 from freetoken.engine.gpu_moe import ExpertLayer, gpu_servable, pin_host_memory
-from freetoken.engine.moe import MoeContext, MoeFFN
+from freetoken.engine.moe import MoeContext, MoeFFN, run_experts
 from freetoken.errors import FreeTokenError, InvalidInputError, UnsupportedError
 from freetoken.quant import type_info
 
@@ -149,15 +149,7 @@ class CpuLoop:
         """The ``i``-th call of the walk."""
         n = len(self.layers)
         ids = self.ids[(i // n) % self.ids.shape[0]]
-        self.executor.run(
-            self.layers[i % n].layer,
-            self.x.data_ptr(),
-            self.x.numel(),
-            ids.data_ptr(),
-            self.weights.data_ptr(),
-            ids.numel(),
-            self.out.data_ptr(),
-        )
+        run_experts(self.executor, self.layers[i % n].layer, self.x, ids, self.weights, self.out)
 
     def warm_up(self) -> None:
         """One pass over every expert: pages the mapping in before anything is timed."""

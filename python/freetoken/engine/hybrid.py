@@ -40,6 +40,7 @@ from freetoken.engine.gpu_moe import (
     clear_last_cuda_error,
     unregister_host_memory,
 )
+from freetoken.engine.moe import run_experts
 from freetoken.engine.slots import CachePlan, SlotCache, Upload
 from freetoken.errors import DeviceError, FreeTokenError, ShapeError
 
@@ -273,12 +274,7 @@ class HybridExperts(OffloadExperts):
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """A slotless layer in a step too long for the hand-off buffers: through the host."""
-        xh, ih, wh = x.cpu(), ids.cpu(), weights.cpu()
-        out = torch.empty_like(xh)
-        self.executor.run(
-            ex.layer, xh.data_ptr(), xh.numel(), ih.data_ptr(), wh.data_ptr(), ih.numel(),
-            out.data_ptr(),
-        )  # fmt: skip
+        out = run_experts(self.executor, ex.layer, x.cpu(), ids.cpu(), weights.cpu())
         return out.to(x.device)
 
     def _split_pays(self, n_tokens: int) -> bool:

@@ -13,7 +13,7 @@ from freetoken import _core
 from freetoken.engine.routing import Routing, route
 from freetoken.gguf import GGUFFile
 
-__all__ = ["MoeContext", "MoeFFN", "default_executor", "expert_layer"]
+__all__ = ["MoeContext", "MoeFFN", "default_executor", "expert_layer", "run_experts"]
 
 _EXECUTOR: _core.MoeExecutor | None = None
 
@@ -24,6 +24,25 @@ def default_executor(n_threads: int | None = None) -> _core.MoeExecutor:
     if _EXECUTOR is None or (n_threads is not None and _EXECUTOR.n_threads != n_threads):
         _EXECUTOR = _core.MoeExecutor(n_threads or os.cpu_count() or 1)
     return _EXECUTOR
+
+
+def run_experts(
+    executor: _core.MoeExecutor,
+    layer: _core.MoeLayer,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The layer's routed experts on contiguous CPU tensors ``x [T, H]``, ``ids`` int32 and
+    ``weights`` float32 ``[T, k]``, into ``out`` (a new tensor by default), synchronously."""
+    if out is None:
+        out = torch.empty_like(x)
+    executor.run(
+        layer, x.data_ptr(), x.numel(), ids.data_ptr(), weights.data_ptr(), ids.numel(),
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 class MoeFFN:
@@ -48,16 +67,7 @@ class MoeFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         ids, weights = route(self.router(x), self.routing, self.selection_bias)
-        out = torch.empty_like(x)
-        self.executor.run(
-            self.layer,
-            x.data_ptr(),
-            x.numel(),
-            ids.data_ptr(),
-            weights.data_ptr(),
-            ids.numel(),
-            out.data_ptr(),
-        )
+        out = run_experts(self.executor, self.layer, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
         return out

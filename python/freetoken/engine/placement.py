@@ -300,10 +300,16 @@ def _experts(
         )
 
     plan = plan_for(layers)
+    bw = None
+    if strategy in ("auto", "hybrid") and not plan.all_resident:
+        from freetoken.bandwidth import load_bandwidth_profile
+
+        profile = load_bandwidth_profile(model)
+        bw = profile.for_layer(layers[0]) if profile is not None else None
     if strategy == "auto":
         one = _one_shape(all_layers)
         strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
-        place.notes.append(f"--moe-strategy auto: {strategy} ({_why(strategy, model)})")
+        place.notes.append(f"--moe-strategy auto: {strategy} ({_why(strategy, bw)})")
     if strategy == "gpu" and not plan.all_resident:
         raise InvalidInputError(
             f"--moe-strategy gpu needs {plan.all_bytes / _MIB:.0f} MiB for the experts, "
@@ -322,10 +328,6 @@ def _experts(
     if strategy == "hybrid":
         if model.moe is None:
             raise InvalidInputError("--moe-strategy hybrid: the model has no CPU expert executor")
-        from freetoken.bandwidth import load_bandwidth_profile
-
-        profile = load_bandwidth_profile(model)
-        bw = profile.for_layer(layers[0]) if profile is not None else None
         # Layers without slots still go through the hand-off when it can serve them.
         cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
         experts: OffloadExperts = HybridExperts(
@@ -343,17 +345,14 @@ def _one_shape(layers: list[ExpertLayer]) -> bool:
     return len({(ex.gate.k, ex.n_experts, ex.top_k) for ex in layers}) == 1
 
 
-def _why(strategy: str, model: Transformer) -> str:
+def _why(strategy: str, k: Any) -> str:
+    """Why ``auto`` chose ``strategy``; ``k`` is the layers' bench-bw figures, if saved."""
     if strategy == "gpu":
         return "every expert fits the cache"
     if strategy == "offload":
         return "the MoE layers differ in shape"
-    from freetoken.bandwidth import load_bandwidth_profile
-
-    profile = load_bandwidth_profile(model)
-    if profile is None:
+    if k is None:
         return "experts exceed the cache; misses computed on the CPU (no bench-bw profile)"
-    k = next(iter(profile.kinds.values()))
     return (
         f"experts exceed the cache; a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} "
         f"GB/s) than over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "

@@ -361,22 +361,17 @@ class Transformer:
         if hook is not None:
             hook.begin(len(flat))
         try:
-            logits = self._logits(ids, flat, spans, all_logits)
+            return self._logits(ids, flat, spans, all_logits)
         finally:
             if hook is not None:
                 hook.end()
-        if self.graphs is not None and len(flat) == 1:
-            return [logits]
-        if not all_logits:
-            return list(logits.unbind(0))
-        return list(logits.split([sp.n for sp in spans]))
 
     def _logits(
         self, ids: torch.Tensor, flat: list[int], spans: list[Span], all_logits: bool
-    ) -> torch.Tensor:
-        """The host copy of the step's logits (the graph's, or the rows asked for)."""
+    ) -> list[torch.Tensor]:
+        """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
         if self.graphs is not None and len(flat) == 1:
-            return self.graphs.step(flat[0], spans[0].cache).cpu()
+            return [self.graphs.step(flat[0], spans[0].cache).cpu()]
         dev = self.device
         pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
         ends = None
@@ -385,7 +380,9 @@ class Transformer:
         logits = self.run(ids, Step(pos, spans), ends).cpu()
         for sp in spans:
             sp.cache.commit(sp.n)
-        return logits
+        if not all_logits:
+            return list(logits.unbind(0))
+        return list(logits.split([sp.n for sp in spans]))
 
     def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
         """The forward pass on tensors: token ids ``[T]`` (on the model's device) at
