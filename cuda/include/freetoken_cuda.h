@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 2
+#define FT_CUDA_ABI_VERSION 3
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -139,9 +139,33 @@ typedef struct ft_cuda_handoff_args {
     void *stream;
 } ft_cuda_handoff_args;
 
+/* One kernel for a layer's side of the hand-off (one graph node instead of copies, gather and
+ * selects): copies x, ids and weights into the mapped host buffers, writes each route's slot
+ * (resident[id], or dummy_base + j for a route j whose expert is not resident) and its GPU
+ * weight (0 for those), then raises the request as FT_CUDA_HANDOFF_SIGNAL does. */
+typedef struct ft_cuda_handoff_routes_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t reserved;
+    int64_t *counter;
+    int64_t *block;
+    int64_t tag;
+    int64_t n_tokens, hidden, top_k, n_experts, dummy_base;
+    const float *x;           /* device [n_tokens, hidden] */
+    const int32_t *ids;       /* device [n_tokens, top_k] */
+    const float *weights;     /* device [n_tokens, top_k] */
+    const int32_t *resident;  /* device [n_experts] */
+    float *x_host;            /* registered host [n_tokens, hidden] */
+    int32_t *ids_host;        /* registered host [n_tokens, top_k] */
+    float *weights_host;      /* registered host [n_tokens, top_k] */
+    int32_t *slots;           /* device out [n_tokens, top_k] */
+    float *gpu_weights;       /* device out [n_tokens, top_k] */
+    void *stream;
+} ft_cuda_handoff_routes_args;
+
 uint32_t ft_cuda_abi_version(void);
-/* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args;
- * 0 if unknown. */
+/* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
+ * 4 handoff_routes_args; 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -151,6 +175,7 @@ int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tokens);
 int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args);
 int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
 int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args);
+int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

@@ -579,6 +579,61 @@ static int32_t handoff_locked(const ft_cuda_handoff_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff");
 }
 
+static __global__ void handoff_routes_kernel(ft_cuda_handoff_routes_args a, volatile int64_t *block, float *x_host,
+                                             int32_t *ids_host, float *weights_host) {
+    const int64_t n_x = a.n_tokens * a.hidden, n_r = a.n_tokens * a.top_k;
+    for (int64_t i = threadIdx.x; i < n_x; i += blockDim.x) {
+        x_host[i] = a.x[i];
+    }
+    for (int64_t i = threadIdx.x; i < n_r; i += blockDim.x) {
+        const int32_t id = a.ids[i];
+        const float w = a.weights[i];
+        ids_host[i] = id;
+        weights_host[i] = w;
+        const int32_t s = id >= 0 && id < a.n_experts ? a.resident[id] : -1;
+        a.slots[i] = s >= 0 ? s : (int32_t)(a.dummy_base + i % a.top_k);
+        a.gpu_weights[i] = s >= 0 ? w : 0.0f;
+    }
+    __threadfence_system();  // every thread's host writes before the request
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int64_t seq = *a.counter + 1;
+        *a.counter = seq;
+        block[FT_CUDA_HANDOFF_TAG] = a.tag;
+        __threadfence_system();
+        block[FT_CUDA_HANDOFF_GPU_SEQ] = seq;
+        __threadfence_system();
+    }
+}
+
+static int32_t handoff_routes_locked(const ft_cuda_handoff_routes_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.counter == nullptr || a.block == nullptr || a.x == nullptr || a.ids == nullptr ||
+        a.weights == nullptr || a.resident == nullptr || a.slots == nullptr || a.gpu_weights == nullptr) {
+        return fail(FT_CUDA_EINVAL, "handoff_routes: null pointer");
+    }
+    if (a.n_tokens < 1 || a.hidden < 1 || a.top_k < 1 || a.n_experts < 1 || a.dummy_base < 0 ||
+        a.n_tokens * a.hidden > MAX_ELEMENTS || a.dummy_base + a.top_k > INT32_MAX) {
+        return fail(FT_CUDA_ESHAPE, "handoff_routes: bad sizes");
+    }
+    device_guard dg(a.device);
+    void *block = nullptr, *x_host = nullptr, *ids_host = nullptr, *w_host = nullptr;
+    if ((rc = mapped(a.block, &block, "handoff block")) != FT_CUDA_OK ||
+        (rc = mapped(a.x_host, &x_host, "x_host")) != FT_CUDA_OK ||
+        (rc = mapped(a.ids_host, &ids_host, "ids_host")) != FT_CUDA_OK ||
+        (rc = mapped(a.weights_host, &w_host, "weights_host")) != FT_CUDA_OK) {
+        return rc;
+    }
+    cudaGetLastError();
+    handoff_routes_kernel<<<1, 1024, 0, as_stream(a.stream)>>>(a, (volatile int64_t *)block, (float *)x_host,
+                                                               (int32_t *)ids_host, (float *)w_host);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff_routes");
+}
+
 FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
 
 FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
@@ -587,6 +642,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 1: return sizeof(ft_cuda_matmul_args);
         case 2: return sizeof(ft_cuda_moe_args);
         case 3: return sizeof(ft_cuda_handoff_args);
+        case 4: return sizeof(ft_cuda_handoff_routes_args);
         default: return 0;
     }
 }
@@ -664,4 +720,13 @@ FT_EXPORT int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args) {
         return fail(FT_CUDA_EINVAL, "handoff: null or wrong struct_size (want %zu)", sizeof(ft_cuda_handoff_args));
     }
     return handoff_locked(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_handoff_routes_args)) {
+        return fail(FT_CUDA_EINVAL, "handoff_routes: null or wrong struct_size (want %zu)",
+                    sizeof(ft_cuda_handoff_routes_args));
+    }
+    return handoff_routes_locked(*args);
 }

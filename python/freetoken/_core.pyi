@@ -142,6 +142,16 @@ def cuda_moe_layer(
     accumulate: bool,
 ) -> None: ...
 def cuda_handoff_signal(device: int, counter: int, block: int, stream: int, tag: int) -> None: ...
+def cuda_handoff_routes(
+    device: int,
+    counter: int,
+    block: int,
+    stream: int,
+    tag: int,
+    sizes: tuple[int, int, int, int, int],
+    device_ptrs: tuple[int, int, int, int, int, int],
+    host_ptrs: tuple[int, int, int],
+) -> None: ...
 def cuda_handoff_wait_add(
     device: int,
     counter: int,

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 /// The library's file name.
 pub const LIB_NAME: &str = "libfreetoken_cuda.so";
 /// The environment variable naming the library (or its folder).
@@ -111,6 +111,31 @@ struct RawHandoffArgs {
     stream: *mut c_void,
 }
 
+#[repr(C)]
+struct RawHandoffRoutesArgs {
+    struct_size: u64,
+    device: i32,
+    reserved: i32,
+    counter: *mut i64,
+    block: *mut i64,
+    tag: i64,
+    n_tokens: i64,
+    hidden: i64,
+    top_k: i64,
+    n_experts: i64,
+    dummy_base: i64,
+    x: *const f32,
+    ids: *const i32,
+    weights: *const f32,
+    resident: *const i32,
+    x_host: *mut f32,
+    ids_host: *mut i32,
+    weights_host: *mut f32,
+    slots: *mut i32,
+    gpu_weights: *mut f32,
+    stream: *mut c_void,
+}
+
 type FnAbiVersion = unsafe extern "C" fn() -> u32;
 type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -119,6 +144,7 @@ type FnKernelFor = unsafe extern "C" fn(i32, i32, i64) -> i32;
 type FnMatmul = unsafe extern "C" fn(*const RawMatmulArgs) -> i32;
 type FnMoe = unsafe extern "C" fn(*const RawMoeArgs) -> i32;
 type FnHandoff = unsafe extern "C" fn(*const RawHandoffArgs) -> i32;
+type FnHandoffRoutes = unsafe extern "C" fn(*const RawHandoffRoutesArgs) -> i32;
 type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// The library's entry points. The handle is never closed: the library holds CUDA state
@@ -129,6 +155,7 @@ struct Api {
     expert_matmul: FnMatmul,
     moe_layer: FnMoe,
     handoff: FnHandoff,
+    handoff_routes: FnHandoffRoutes,
     last_error: FnLastError,
 }
 
@@ -377,6 +404,11 @@ impl Cuda {
                     "ft_cuda_handoff_args",
                     std::mem::size_of::<RawHandoffArgs>(),
                 ),
+                (
+                    4,
+                    "ft_cuda_handoff_routes_args",
+                    std::mem::size_of::<RawHandoffRoutesArgs>(),
+                ),
             ] {
                 let got = struct_size(which);
                 if got != want as u64 {
@@ -390,6 +422,7 @@ impl Cuda {
                 expert_matmul: symbol(handle, "ft_cuda_expert_matmul")?,
                 moe_layer: symbol(handle, "ft_cuda_moe_layer")?,
                 handoff: symbol(handle, "ft_cuda_handoff")?,
+                handoff_routes: symbol(handle, "ft_cuda_handoff_routes")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
@@ -613,6 +646,62 @@ impl Cuda {
         self.handoff(h, 1, 0, src, dst, n, timeout_ns)
     }
 
+    /// Queues one layer's side of a hand-off request ([`HandoffRoutes`]): copies for the
+    /// host, the routes' slots and GPU weights, then the request.
+    pub fn handoff_routes(&self, h: &Handoff, r: &HandoffRoutes) -> Result<()> {
+        self.check_device(h.device)?;
+        check_addrs(&[
+            ("counter", h.counter),
+            ("block", h.block),
+            ("x", r.x),
+            ("ids", r.ids),
+            ("weights", r.weights),
+            ("resident", r.resident),
+            ("x_host", r.x_host),
+            ("ids_host", r.ids_host),
+            ("weights_host", r.weights_host),
+            ("slots", r.slots),
+            ("gpu_weights", r.gpu_weights),
+        ])?;
+        check_tokens("handoff_routes", r.n_tokens, r.top_k, r.hidden)?;
+        if r.n_experts == 0 || r.dummy_base + r.top_k > i32::MAX as usize {
+            return Err(Error::Shape(format!(
+                "hand-off of {} experts, dummy slots from {}",
+                r.n_experts, r.dummy_base
+            )));
+        }
+        let raw = RawHandoffRoutesArgs {
+            struct_size: std::mem::size_of::<RawHandoffRoutesArgs>() as u64,
+            device: h.device,
+            reserved: 0,
+            counter: h.counter as *mut i64,
+            block: h.block as *mut i64,
+            tag: r.tag,
+            n_tokens: r.n_tokens as i64,
+            hidden: r.hidden as i64,
+            top_k: r.top_k as i64,
+            n_experts: r.n_experts as i64,
+            dummy_base: r.dummy_base as i64,
+            x: r.x as *const f32,
+            ids: r.ids as *const i32,
+            weights: r.weights as *const f32,
+            resident: r.resident as *const i32,
+            x_host: r.x_host as *mut f32,
+            ids_host: r.ids_host as *mut i32,
+            weights_host: r.weights_host as *mut f32,
+            slots: r.slots as *mut i32,
+            gpu_weights: r.gpu_weights as *mut f32,
+            stream: h.stream as *mut c_void,
+        };
+        // SAFETY: the library checks the host buffers are registered and only queues a kernel;
+        // the caller owns every buffer of the stated size for as long as it runs.
+        let rc = unsafe { (self.api.handoff_routes)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn handoff(
         &self,
@@ -679,6 +768,41 @@ impl Handoff {
             stream,
         }
     }
+}
+
+/// One layer's request ([`Cuda::handoff_routes`]): addresses and sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct HandoffRoutes {
+    /// What the request is about (the layer's hand-off position and its tokens).
+    pub tag: i64,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Routes per token.
+    pub top_k: usize,
+    /// Experts of the layer.
+    pub n_experts: usize,
+    /// The first of `top_k` zeroed slots that missed routes point at.
+    pub dummy_base: usize,
+    /// Device float32 `[n_tokens, hidden]`.
+    pub x: usize,
+    /// Device int32 `[n_tokens, top_k]`.
+    pub ids: usize,
+    /// Device float32 `[n_tokens, top_k]`.
+    pub weights: usize,
+    /// Device int32 `[n_experts]`: slot or -1.
+    pub resident: usize,
+    /// Registered host float32 `[n_tokens, hidden]`.
+    pub x_host: usize,
+    /// Registered host int32 `[n_tokens, top_k]`.
+    pub ids_host: usize,
+    /// Registered host float32 `[n_tokens, top_k]`.
+    pub weights_host: usize,
+    /// Device int32 `[n_tokens, top_k]`, written.
+    pub slots: usize,
+    /// Device float32 `[n_tokens, top_k]`, written.
+    pub gpu_weights: usize,
 }
 
 /// int64 words of a hand-off block (`FT_CUDA_HANDOFF_WORDS`).

@@ -4,7 +4,7 @@
 
 use crate::errors::IntoPy;
 use freetoken_ggml::GgmlType;
-use ft_cuda::{Activation, ExpertMatmul, Handoff, Kernel, MoeLayer};
+use ft_cuda::{Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer};
 use pyo3::prelude::*;
 
 /// Registers this module's functions on `_core`.
@@ -17,6 +17,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_moe_layer, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_signal, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_wait_add, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_handoff_routes, m)?)?;
     Ok(())
 }
 
@@ -190,5 +191,46 @@ pub fn cuda_handoff_wait_add(
     let h = Handoff::new(device, counter, block, stream);
     ft_cuda::runtime()
         .and_then(|rt| rt.handoff_wait_add(&h, src, dst, n, timeout_ns))
+        .py_err()
+}
+
+/// One layer's side of a hand-off request (`ft_cuda::Cuda::handoff_routes`). `sizes` is
+/// (n_tokens, hidden, top_k, n_experts, dummy_base); `device_ptrs` (x, ids, weights, resident,
+/// slots, gpu_weights); `host_ptrs` (x, ids, weights) in registered host memory.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_handoff_routes(
+    device: i32,
+    counter: usize,
+    block: usize,
+    stream: usize,
+    tag: i64,
+    sizes: (usize, usize, usize, usize, usize),
+    device_ptrs: (usize, usize, usize, usize, usize, usize),
+    host_ptrs: (usize, usize, usize),
+) -> PyResult<()> {
+    let h = Handoff::new(device, counter, block, stream);
+    let (n_tokens, hidden, top_k, n_experts, dummy_base) = sizes;
+    let (x, ids, weights, resident, slots, gpu_weights) = device_ptrs;
+    let (x_host, ids_host, weights_host) = host_ptrs;
+    let r = HandoffRoutes {
+        tag,
+        n_tokens,
+        hidden,
+        top_k,
+        n_experts,
+        dummy_base,
+        x,
+        ids,
+        weights,
+        resident,
+        x_host,
+        ids_host,
+        weights_host,
+        slots,
+        gpu_weights,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.handoff_routes(&h, &r))
         .py_err()
 }

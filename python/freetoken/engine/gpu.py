@@ -30,6 +30,7 @@ __all__ = [
     "available",
     "device_info",
     "expert_matmul",
+    "handoff_routes",
     "handoff_signal",
     "handoff_wait_add",
     "host_tensor",
@@ -347,3 +348,54 @@ def handoff_wait_add(
         dst.numel(),
         int(timeout_s * 1e9),
     )
+
+
+def handoff_routes(
+    counter: torch.Tensor,
+    block: int,
+    tag: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    resident: torch.Tensor,
+    dummy_base: int,
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel for a layer's side of a hand-off request, on the current stream: copies
+    ``x``, ``ids`` and ``weights`` into ``host`` (CPU tensors in mapped page-locked memory of
+    the same shapes), raises the request (as :func:`handoff_signal`) and returns each route's
+    slot (``resident[id]``, or ``dummy_base + j`` for a route ``j`` not resident) and its GPU
+    weight (0 for those)."""
+    dev = counter.device
+    _check(counter, "counter", torch.int64, (1,), dev)
+    t, k = ids.shape
+    hidden = x.shape[1]
+    _check(x, "x", torch.float32, (t, hidden), dev)
+    _check(ids, "ids", torch.int32, (t, k), dev)
+    _check(weights, "weights", torch.float32, (t, k), dev)
+    _check(resident, "resident", torch.int32, (resident.numel(),), dev)
+    for h, d in zip(host, (x, ids, weights), strict=True):
+        if h.device.type != "cpu" or h.dtype != d.dtype or h.shape != d.shape:
+            raise ShapeError(f"host buffer {tuple(h.shape)} {h.dtype} does not match the data")
+        if not h.is_contiguous():
+            raise InvalidInputError("host buffers must be contiguous")
+    slots = torch.empty((t, k), dtype=torch.int32, device=dev)
+    gpu_weights = torch.empty((t, k), dtype=torch.float32, device=dev)
+    _core.cuda_handoff_routes(
+        _device_index(counter),
+        counter.data_ptr(),
+        block,
+        _stream(dev),
+        tag,
+        (t, hidden, k, resident.numel(), dummy_base),
+        (
+            x.data_ptr(),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            resident.data_ptr(),
+            slots.data_ptr(),
+            gpu_weights.data_ptr(),
+        ),
+        tuple(h.data_ptr() for h in host),
+    )
+    return slots, gpu_weights

@@ -3,12 +3,12 @@ slot run on the GPU while the CPU expert executor computes the others from host 
 same time; the CPU's rows are added into the GPU's output. Nothing is uploaded on the
 critical path (docs/hybrid.md).
 
-The hand-off costs no host round trip per layer. The layer's activations and routes are copied
-into mapped page-locked host memory, a one-thread kernel raises a sequence number there
-(``gpu.handoff_signal``), the GPU goes on with the hits (a device table maps expert -> slot;
-misses point at zeroed slots with weight 0), and a kernel spins until the CPU thread
-(``MoeExecutor.serve_handoffs``, polling the same word) has written the missed routes' sum
-and its answer, then adds the rows (``gpu.handoff_wait_add``). So a whole decode step is
+The hand-off costs no host round trip per layer. One kernel (``gpu.handoff_routes``) copies
+the layer's activations and routes into mapped page-locked host memory, maps each route to its
+slot (a device table expert -> slot; misses point at zeroed slots with weight 0) and raises a
+sequence number in the mapped block; the GPU goes on with the hits, and a kernel spins until
+the CPU thread (``MoeExecutor.serve_handoffs``, polling the same word) has written the missed
+routes' sum and its answer, then adds the rows (``gpu.handoff_wait_add``). So a whole decode step is
 still one CUDA graph, and eager steps never block Python.
 
 Between steps the engine does the bookkeeping the slot policy needs (LRU or adaptive route
@@ -169,15 +169,11 @@ class HybridExperts(OffloadExperts):
         # and on the device for the hits; both change only between steps.
         self.resident = np.full((n, n_experts), -1, dtype=np.int32)
         self.free: dict[int, int] = {}
-        self.dummies: dict[int, torch.Tensor] = {}
         for cache, _ in self.of_layer.values():
             if id(cache) in self.free:
                 continue
             held = [r for r in cache.residents() if r is not None]
             self.free[id(cache)] = cache.n_slots - len(held)
-            self.dummies[id(cache)] = torch.arange(
-                cache.n_slots, cache.n_slots + top_k, dtype=torch.int32, device=device
-            ).view(1, -1)
             for layer, expert in held:
                 self.resident[self.handoff_pos[layer], expert] = cache.slot_of(layer, expert)
         # Where each resident came from: the plan's seed (a profile's hottest) or a fill.
@@ -254,16 +250,22 @@ class HybridExperts(OffloadExperts):
             return self._cpu_direct(ex, x, ids, weights)
         t, pos = ids.shape[0], self.handoff_pos[ex.index]
         v = self.views
-        v["x"][:t].copy_(x, non_blocking=True)
-        v["ids"][pos, :t].copy_(ids, non_blocking=True)
-        v["weights"][pos, :t].copy_(weights, non_blocking=True)
-        gpu.handoff_signal(self.counter, self.block.ctypes.data, (t << 32) | pos)
+        host = (v["x"][:t], v["ids"][pos, :t], v["weights"][pos, :t])
+        cache = self.of_layer[ex.index][0] if pooled else None
+        dummy = cache.n_slots if cache is not None else 0
+        slots, w = gpu.handoff_routes(
+            self.counter,
+            self.block.ctypes.data,
+            (t << 32) | pos,
+            x,
+            ids,
+            weights,
+            self.resident_dev[pos],
+            dummy,
+            host,
+        )
         if pooled:
-            cache, pools = self.of_layer[ex.index]
-            slots = self.resident_dev[pos][ids.long()]
-            hit = slots >= 0
-            slots = torch.where(hit, slots, self.dummies[id(cache)])
-            w = torch.where(hit, weights, 0.0)
+            pools = self.of_layer[ex.index][1]
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
