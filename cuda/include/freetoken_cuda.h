@@ -105,35 +105,29 @@ typedef struct ft_cuda_moe_args {
 /* The hand-off between the GPU and a host thread (hybrid MoE, docs/hybrid.md): a block of
  * FT_CUDA_HANDOFF_WORDS int64 words in mapped page-locked host memory, and an int64 sequence
  * counter in device memory (zero at start, kept by the device so that a replayed CUDA graph
- * counts on). `signal` adds one to the counter, writes `tag` then the new count to the block:
- * everything the stream wrote before it (its copies of activations and routes) is then
- * visible to the host. `wait_add` spins until the host's answer reaches the counter, then
- * adds `n` floats of mapped host memory at `src` into device memory `dst`; after `timeout_ns`
+ * counts on). A request (ft_cuda_handoff_routes) adds one to the counter, writes its tag then
+ * the new count to the block: everything it wrote before (its copies of activations and
+ * routes) is then visible to the host. `ft_cuda_handoff_wait_add` spins until the host's
+ * answer reaches the counter, then adds `n` floats of mapped host memory at `src` into device memory `dst`; after `timeout_ns`
  * without an answer it writes the count into FT_CUDA_HANDOFF_TIMEOUT and adds nothing. */
 #define FT_CUDA_HANDOFF_WORDS 8
-#define FT_CUDA_HANDOFF_GPU_SEQ 0 /* written by signal: the latest request */
+#define FT_CUDA_HANDOFF_GPU_SEQ 0 /* written by a request: the latest one */
 #define FT_CUDA_HANDOFF_CPU_SEQ 1 /* written by the host: the latest answer */
-#define FT_CUDA_HANDOFF_TAG 2     /* written by signal: what the request is about */
+#define FT_CUDA_HANDOFF_TAG 2     /* written by a request: what it is about */
 #define FT_CUDA_HANDOFF_TIMEOUT 3 /* written by wait_add: the request it gave up on */
 #define FT_CUDA_HANDOFF_ERROR 4   /* written by the host: a request it could not answer */
 #define FT_CUDA_HANDOFF_STOP 5    /* written by the host: its thread may return when idle */
 #define FT_CUDA_HANDOFF_ANSWERED 6 /* host only: requests answered */
 #define FT_CUDA_HANDOFF_BUSY_NS 7  /* host only: nanoseconds spent answering */
 
-enum ft_cuda_handoff_op {
-    FT_CUDA_HANDOFF_SIGNAL = 0,
-    FT_CUDA_HANDOFF_WAIT_ADD = 1,
-};
-
 typedef struct ft_cuda_handoff_args {
     uint64_t struct_size;
     int32_t device;
-    int32_t op;       /* an ft_cuda_handoff_op */
+    int32_t reserved;
     int64_t *counter; /* device memory, one int64 */
     int64_t *block;   /* registered (cudaHostRegisterMapped) host memory, FT_CUDA_HANDOFF_WORDS */
-    int64_t tag;      /* signal */
-    const float *src; /* wait_add: registered host memory, n floats */
-    float *dst;       /* wait_add: device memory, n floats */
+    const float *src; /* registered host memory, n floats */
+    float *dst;       /* device memory, n floats */
     int64_t n;
     uint64_t timeout_ns;
     void *stream;
@@ -142,7 +136,7 @@ typedef struct ft_cuda_handoff_args {
 /* One kernel for a layer's side of the hand-off (one graph node instead of copies, gather and
  * selects): copies x, ids and weights into the mapped host buffers, writes each route's slot
  * (resident[id], or dummy_base + j for a route j whose expert is not resident) and its GPU
- * weight (0 for those), then raises the request as FT_CUDA_HANDOFF_SIGNAL does. */
+ * weight (0 for those), then raises the request. */
 typedef struct ft_cuda_handoff_routes_args {
     uint64_t struct_size;
     int32_t device;
@@ -174,7 +168,7 @@ int32_t ft_cuda_device_info_get(int32_t device, ft_cuda_device_info *out);
 int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tokens);
 int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args);
 int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
-int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args);
+int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args);
 int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
 const char *ft_cuda_last_error(void);
 

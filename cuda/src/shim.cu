@@ -497,15 +497,6 @@ static __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
-static __global__ void handoff_signal_kernel(int64_t *counter, volatile int64_t *block, int64_t tag) {
-    const int64_t seq = *counter + 1;
-    *counter = seq;
-    block[FT_CUDA_HANDOFF_TAG] = tag;
-    __threadfence_system();  // the tag (and the stream's earlier copies) before the request
-    block[FT_CUDA_HANDOFF_GPU_SEQ] = seq;
-    __threadfence_system();
-}
-
 static __global__ void handoff_wait_add_kernel(const int64_t *counter, volatile int64_t *block, const float *src,
                                                float *dst, int64_t n, uint64_t timeout_ns) {
     __shared__ int answered;
@@ -557,24 +548,16 @@ static int32_t handoff_locked(const ft_cuda_handoff_args &a) {
     if ((rc = mapped(a.block, &block, "handoff block")) != FT_CUDA_OK) {
         return rc;
     }
-    cudaGetLastError();
-    const cudaStream_t stream = as_stream(a.stream);
-    if (a.op == FT_CUDA_HANDOFF_SIGNAL) {
-        handoff_signal_kernel<<<1, 1, 0, stream>>>(a.counter, (volatile int64_t *)block, a.tag);
-    } else if (a.op == FT_CUDA_HANDOFF_WAIT_ADD) {
-        if (a.src == nullptr || a.dst == nullptr || a.n < 1 || a.n > MAX_ELEMENTS) {
-            return fail(FT_CUDA_EINVAL, "handoff wait_add: src and dst non-null, n=%lld in 1..2^31",
-                        (long long)a.n);
-        }
-        void *src = nullptr;
-        if ((rc = mapped(a.src, &src, "handoff src")) != FT_CUDA_OK) {
-            return rc;
-        }
-        handoff_wait_add_kernel<<<1, 1024, 0, stream>>>(a.counter, (volatile int64_t *)block, (const float *)src,
-                                                        a.dst, a.n, a.timeout_ns);
-    } else {
-        return fail(FT_CUDA_EINVAL, "handoff: unknown op %d", a.op);
+    if (a.src == nullptr || a.dst == nullptr || a.n < 1 || a.n > MAX_ELEMENTS) {
+        return fail(FT_CUDA_EINVAL, "handoff wait_add: src and dst non-null, n=%lld in 1..2^31", (long long)a.n);
     }
+    void *src = nullptr;
+    if ((rc = mapped(a.src, &src, "handoff src")) != FT_CUDA_OK) {
+        return rc;
+    }
+    cudaGetLastError();
+    handoff_wait_add_kernel<<<1, 1024, 0, as_stream(a.stream)>>>(a.counter, (volatile int64_t *)block,
+                                                                 (const float *)src, a.dst, a.n, a.timeout_ns);
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff");
 }
@@ -714,7 +697,7 @@ FT_EXPORT int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args) {
 
 FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }
 
-FT_EXPORT int32_t ft_cuda_handoff(const ft_cuda_handoff_args *args) {
+FT_EXPORT int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args) {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (args == nullptr || args->struct_size != sizeof(ft_cuda_handoff_args)) {
         return fail(FT_CUDA_EINVAL, "handoff: null or wrong struct_size (want %zu)", sizeof(ft_cuda_handoff_args));

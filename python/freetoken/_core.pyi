@@ -141,7 +141,6 @@ def cuda_moe_layer(
     check_ids: bool,
     accumulate: bool,
 ) -> None: ...
-def cuda_handoff_signal(device: int, counter: int, block: int, stream: int, tag: int) -> None: ...
 def cuda_handoff_routes(
     device: int,
     counter: int,

@@ -100,10 +100,9 @@ struct RawMoeArgs {
 struct RawHandoffArgs {
     struct_size: u64,
     device: i32,
-    op: i32,
+    reserved: i32,
     counter: *mut i64,
     block: *mut i64,
-    tag: i64,
     src: *const f32,
     dst: *mut f32,
     n: i64,
@@ -154,7 +153,7 @@ struct Api {
     kernel_for: FnKernelFor,
     expert_matmul: FnMatmul,
     moe_layer: FnMoe,
-    handoff: FnHandoff,
+    handoff_wait_add: FnHandoff,
     handoff_routes: FnHandoffRoutes,
     last_error: FnLastError,
 }
@@ -421,7 +420,7 @@ impl Cuda {
                 kernel_for: symbol(handle, "ft_cuda_kernel_for")?,
                 expert_matmul: symbol(handle, "ft_cuda_expert_matmul")?,
                 moe_layer: symbol(handle, "ft_cuda_moe_layer")?,
-                handoff: symbol(handle, "ft_cuda_handoff")?,
+                handoff_wait_add: symbol(handle, "ft_cuda_handoff_wait_add")?,
                 handoff_routes: symbol(handle, "ft_cuda_handoff_routes")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
@@ -620,12 +619,6 @@ impl Cuda {
         Ok(())
     }
 
-    /// Queues a hand-off request on `h.stream` (`freetoken_cuda.h`, "hand-off"): the device
-    /// counter goes up by one and the block says so, with `tag`.
-    pub fn handoff_signal(&self, h: &Handoff, tag: i64) -> Result<()> {
-        self.handoff(h, 0, tag, 0, 0, 0, 0)
-    }
-
     /// Queues the wait for the host's answer to the latest request on `h.stream`, then
     /// `dst[..n] += src[..n]` (`src` mapped host memory, `dst` device memory); after
     /// `timeout_ns` without an answer the block's timeout word is set and nothing is added.
@@ -643,16 +636,35 @@ impl Cuda {
                 "hand-off of {n} floats: must be 1..2^31"
             )));
         }
-        self.handoff(h, 1, 0, src, dst, n, timeout_ns)
+        self.check_device(h.device)?;
+        check_handoff(h)?;
+        let raw = RawHandoffArgs {
+            struct_size: std::mem::size_of::<RawHandoffArgs>() as u64,
+            device: h.device,
+            reserved: 0,
+            counter: h.counter as *mut i64,
+            block: h.block as *mut i64,
+            src: src as *const f32,
+            dst: dst as *mut f32,
+            n: n as i64,
+            timeout_ns,
+            stream: h.stream as *mut c_void,
+        };
+        // SAFETY: the library checks that the block and src are registered host memory and
+        // only queues a kernel; the caller owns the memory for as long as it runs.
+        let rc = unsafe { (self.api.handoff_wait_add)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
     }
 
     /// Queues one layer's side of a hand-off request ([`HandoffRoutes`]): copies for the
     /// host, the routes' slots and GPU weights, then the request.
     pub fn handoff_routes(&self, h: &Handoff, r: &HandoffRoutes) -> Result<()> {
         self.check_device(h.device)?;
+        check_handoff(h)?;
         check_addrs(&[
-            ("counter", h.counter),
-            ("block", h.block),
             ("x", r.x),
             ("ids", r.ids),
             ("weights", r.weights),
@@ -701,47 +713,19 @@ impl Cuda {
         }
         Ok(())
     }
+}
 
-    #[allow(clippy::too_many_arguments)]
-    fn handoff(
-        &self,
-        h: &Handoff,
-        op: i32,
-        tag: i64,
-        src: usize,
-        dst: usize,
-        n: usize,
-        timeout_ns: u64,
-    ) -> Result<()> {
-        self.check_device(h.device)?;
-        for (what, a) in [("counter", h.counter), ("block", h.block)] {
-            if a == 0 || !a.is_multiple_of(8) {
-                return Err(Error::InvalidInput(format!(
-                    "hand-off {what}: address {a:#x} is null or not 8-byte aligned"
-                )));
-            }
+/// A hand-off's counter and block: non-null and 8-byte aligned (the library checks that the
+/// block is mapped host memory).
+fn check_handoff(h: &Handoff) -> Result<()> {
+    for (what, a) in [("counter", h.counter), ("block", h.block)] {
+        if a == 0 || !a.is_multiple_of(8) {
+            return Err(Error::InvalidInput(format!(
+                "hand-off {what}: address {a:#x} is null or not 8-byte aligned"
+            )));
         }
-        let raw = RawHandoffArgs {
-            struct_size: std::mem::size_of::<RawHandoffArgs>() as u64,
-            device: h.device,
-            op,
-            counter: h.counter as *mut i64,
-            block: h.block as *mut i64,
-            tag,
-            src: src as *const f32,
-            dst: dst as *mut f32,
-            n: n as i64,
-            timeout_ns,
-            stream: h.stream as *mut c_void,
-        };
-        // SAFETY: the library checks that the block and src are registered host memory and
-        // only queues kernels; the caller owns the memory for as long as they run.
-        let rc = unsafe { (self.api.handoff)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
     }
+    Ok(())
 }
 
 /// Where a hand-off lives: a device counter (one int64), a block of
@@ -941,7 +925,7 @@ mod tests {
         );
         assert_eq!(
             std::mem::size_of::<RawHandoffArgs>(),
-            8 + 8 + 16 + 8 + 16 + 16 + 8
+            8 + 8 + 16 + 16 + 16 + 8
         );
     }
 

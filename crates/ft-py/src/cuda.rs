@@ -15,7 +15,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_pool_nbytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_expert_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_moe_layer, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_handoff_signal, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_wait_add, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_routes, m)?)?;
     Ok(())
@@ -156,22 +155,6 @@ pub fn cuda_moe_layer(
         accumulate,
     };
     py.detach(|| ft_cuda::runtime()?.moe_layer(&args)).py_err()
-}
-
-/// Queues a hand-off request (`ft_cuda::Cuda::handoff_signal`): `counter` a device int64,
-/// `block` mapped host memory of `ft_cuda::HANDOFF_WORDS` int64.
-#[pyfunction]
-pub fn cuda_handoff_signal(
-    device: i32,
-    counter: usize,
-    block: usize,
-    stream: usize,
-    tag: i64,
-) -> PyResult<()> {
-    let h = Handoff::new(device, counter, block, stream);
-    ft_cuda::runtime()
-        .and_then(|rt| rt.handoff_signal(&h, tag))
-        .py_err()
 }
 
 /// Queues the wait for the host's answer, then `dst[..n] += src[..n]`

@@ -31,7 +31,6 @@ __all__ = [
     "device_info",
     "expert_matmul",
     "handoff_routes",
-    "handoff_signal",
     "handoff_wait_add",
     "host_tensor",
     "kernel_for",
@@ -315,15 +314,6 @@ def moe_layer(
     return out
 
 
-def handoff_signal(counter: torch.Tensor, block: int, tag: int) -> None:
-    """Queues a hand-off request on the current stream (``freetoken_cuda.h``, "hand-off"):
-    ``counter`` (a one-element int64 CUDA tensor) goes up by one and the mapped host block at
-    ``block`` says so, with ``tag``. Copies queued before it are visible to the host by then."""
-    dev = counter.device
-    _check(counter, "counter", torch.int64, (1,), dev)
-    _core.cuda_handoff_signal(_device_index(counter), counter.data_ptr(), block, _stream(dev), tag)
-
-
 def handoff_wait_add(
     counter: torch.Tensor, block: int, src: torch.Tensor, dst: torch.Tensor, timeout_s: float
 ) -> None:
@@ -363,7 +353,7 @@ def handoff_routes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel for a layer's side of a hand-off request, on the current stream: copies
     ``x``, ``ids`` and ``weights`` into ``host`` (CPU tensors in mapped page-locked memory of
-    the same shapes), raises the request (as :func:`handoff_signal`) and returns each route's
+    the same shapes), raises the request (``freetoken_cuda.h``, "hand-off") and returns each route's
     slot (``resident[id]``, or ``dummy_base + j`` for a route ``j`` not resident) and its GPU
     weight (0 for those)."""
     dev = counter.device
