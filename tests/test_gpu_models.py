@@ -139,6 +139,28 @@ def test_gpu_matches_cpu(
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
 
 
+def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> None:
+    """A decode graph captured on a cache stays right when a longer prompt then runs on the
+    same cache (``freetoken profile``, chat turns): nothing a captured graph reads is freed
+    when a larger batch comes. (Per-object buffers grown on demand were: the graph then read
+    freed memory as slot ids, an illegal memory access on the 48-layer model.)"""
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, "gpu", "quant")
+    cache = llm.model.new_cache(256)
+    short = llm.tokenize("Hi")
+    llm.model.forward(short, cache)
+    for tok in short[:2]:
+        llm.model.forward([tok], cache)  # captures the decode graph on this cache
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        assert first + 1 > len(short)
+        cache.truncate(0)
+        out = [llm.model.forward(seq[: first + 1], cache).numpy()]
+        out += [llm.model.forward([tok], cache).numpy() for tok in seq[first + 1 : -1]]
+        _check("qwen3moe", f"decode after a longer prompt {prompt!r}", ref, np.stack(out))
+
+
 def test_bf16_dense_weights(model_files: dict[str, Path]) -> None:
     path = model_files["qwen3moe"]
     seqs, refs = _cpu_runs(path)

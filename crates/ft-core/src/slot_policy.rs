@@ -53,6 +53,18 @@ pub const DEFAULT_HALF_LIFE: f64 = 128.0;
 /// routing, pool of 25%: 4.6 experts a token at 0, 0.9 at 2); 2 keeps a swap for real
 /// evidence without slowing the response to a popularity change.
 pub const DEFAULT_MARGIN: f64 = 2.0;
+/// Standard deviations by which a candidate's count must beat the victim's, on top of the
+/// margin: route counts are Poisson-like, so their difference has a spread of about
+/// sqrt(sum). Without it, under uniform routing the best of ~100 missed experts beats the
+/// worst of the residents by chance every few tokens: swaps that gain nothing and cost an
+/// upload each (host bandwidth the CPU half needs).
+pub const SIGNIFICANCE: f64 = 1.5;
+/// The adaptive admission test: a candidate with decayed route count `new` may replace a
+/// resident with `old` when it beats it by more than `margin` plus [`SIGNIFICANCE`] spreads.
+pub(crate) fn admits(new: f64, old: f64, margin: f64) -> bool {
+    new > old + margin + SIGNIFICANCE * (new + old).sqrt()
+}
+
 /// log2 of the inflation at which stored scores are rescaled.
 const RESCALE_LOG2: f64 = 512.0;
 
@@ -185,11 +197,6 @@ impl Scores {
     /// The stored (inflated) score: comparable with any other key's at any time.
     pub(crate) fn stored(&self, key: usize) -> f64 {
         self.value[key]
-    }
-
-    /// `routes` in stored units now.
-    pub(crate) fn routes(&self, routes: f64) -> f64 {
-        routes * self.unit
     }
 
     /// The decayed route count of `key` now.

@@ -40,7 +40,7 @@
 //! adaptive policy a miss takes the lowest free slot, else the slot with the lowest score
 //! (ties: least recently used) among those the call does not name: the same guarantees.
 
-use crate::slot_policy::{Policy, Scores, SlotHeap};
+use crate::slot_policy::{admits, Policy, Scores, SlotHeap};
 use crate::{Error, Result};
 use std::collections::HashMap;
 
@@ -340,9 +340,11 @@ impl SlotCache {
                     break;
                 };
                 if let Some(a) = &self.adaptive {
-                    let old = self.owner[victim as usize] as usize;
-                    let need = a.scores.stored(old) + a.scores.routes(a.margin);
-                    if a.scores.stored(key as usize) <= need {
+                    let (new, old) = (
+                        a.scores.count(key as usize),
+                        a.scores.count(self.owner[victim as usize] as usize),
+                    );
+                    if !admits(new, old, a.margin) {
                         break; // sorted: no later candidate beats this victim either
                     }
                 }
@@ -1022,17 +1024,18 @@ mod tests {
         let mut c = SlotCache::with_policy(2, 8, adaptive(1e12, 2.0)).unwrap();
         let (_, up) = step(&mut c, 0, &[0, 1], 8);
         assert_eq!(up.len(), 2); // free slots: no test
-                                 // Expert 2 must beat expert 1 (one route) by more than two routes: at its fourth.
-        for n in 1..=4 {
+                                 // Expert 2 must beat expert 1 (one route) by more than two routes plus 1.5 spreads:
+                                 // n > 1 + 2 + 1.5 sqrt(n + 1) first holds at n = 8 (7 <= 7.24, 8 > 7.5).
+        for n in 1..=8 {
             let (missed, up) = step(&mut c, 0, &[0, 2], 8);
             assert_eq!(missed, [2]);
-            if n < 4 {
+            if n < 8 {
                 assert!(up.is_empty(), "route {n}");
             } else {
                 assert_eq!(evicted(&up), [Some((0, 1))]);
             }
         }
-        for (e, n) in [(0, 5.0), (2, 4.0), (1, 1.0)] {
+        for (e, n) in [(0, 9.0), (2, 8.0), (1, 1.0)] {
             assert!((c.score(0, e).unwrap() - n).abs() < 1e-6, "{e}");
         }
         assert_eq!(SlotCache::new(2, 8).unwrap().score(0, 0), None);
@@ -1043,34 +1046,38 @@ mod tests {
         let mut c = SlotCache::with_policy(3, 16, adaptive(1e12, 0.0)).unwrap();
         c.seed(&[(0, 1), (0, 2), (0, 3)]).unwrap();
         let mut out = [0; 1];
-        for (e, n) in [(1, 5), (2, 1), (3, 3), (9, 4)] {
+        // Counts large enough to clear the significance test: 40 > 10 + 1.5 sqrt(50) = 20.6.
+        for (e, n) in [(1, 50), (2, 10), (3, 30), (9, 40)] {
             for _ in 0..n {
                 c.lookup(0, &[e], 1, &mut out).unwrap();
             }
         }
-        // Layer 0's current step names 9 only: 2 (one route) goes.
+        // Layer 0's current step names 9 only: 2 (ten routes) goes.
         let up = c.admit(0, &[9], 1).unwrap();
         assert_eq!(evicted(&up), [Some((0, 2))]);
-        // Now the step names 9 (resident, 4 routes): expert 10 (5 routes) must take 3.
-        for _ in 0..5 {
+        // Now the step names 9 (resident, 41 routes): expert 10 (50 routes, > 30 + 1.5 sqrt(80)
+        // = 43.4) must take 3 (30).
+        for _ in 0..50 {
             c.lookup(0, &[10], 1, &mut out).unwrap();
         }
         c.lookup(0, &[9], 1, &mut out).unwrap();
         let up = c.admit(0, &[10], 1).unwrap();
         assert_eq!(evicted(&up), [Some((0, 3))]);
-        // The step names 3 (4 routes now) and the lowest resident is 9 (5): 3 does not beat it.
+        // The step names 3 (31 routes now) and the lowest resident is 9 (41): 3 does not beat it.
         c.lookup(0, &[3], 1, &mut out).unwrap();
         assert_eq!(c.admit(0, &[3], 1).unwrap(), []);
         // Equal scores: the least recently used goes; seed order breaks the first tie.
         let mut c = SlotCache::with_policy(2, 8, adaptive(64.0, 0.0)).unwrap();
         c.seed(&[(0, 0), (0, 1)]).unwrap();
-        c.lookup(0, &[5], 1, &mut out).unwrap();
+        for _ in 0..6 {
+            c.lookup(0, &[5], 1, &mut out).unwrap(); // about 5.8 > 1.5 sqrt(5.8) = 3.6
+        }
         assert_eq!(evicted(&c.admit(0, &[5], 1).unwrap()), [Some((0, 1))]);
     }
 
     #[test]
     fn seed_rates_start_the_adaptive_scores() {
-        let mut c = SlotCache::with_policy(3, 8, adaptive(4.0, 2.0)).unwrap();
+        let mut c = SlotCache::with_policy(3, 8, adaptive(16.0, 2.0)).unwrap();
         assert!(c.seed_with_rates(&[(0, 1)], Some(&[1.0, 2.0])).is_err());
         assert!(c.seed_with_rates(&[(0, 1)], Some(&[-1.0])).is_err());
         assert!(c.seed_with_rates(&[(0, 1)], Some(&[f64::NAN])).is_err());
@@ -1078,17 +1085,17 @@ mod tests {
         // The rated resident is the least recently used: without its rate it would go first.
         c.seed_with_rates(&[(2, 3), (0, 1)], Some(&[0.0, 0.5]))
             .unwrap();
-        // 0.5 routes a token for ever, aged by 2^(-1/4) a token: sum of 0.5 * 2^(-j/4).
-        let want: f64 = (0..2000).map(|j| 0.5 * (-(j as f64) / 4.0).exp2()).sum();
+        // 0.5 routes a token for ever, aged by 2^(-1/16) a token: sum of 0.5 * 2^(-j/16).
+        let want: f64 = (0..4000).map(|j| 0.5 * (-(j as f64) / 16.0).exp2()).sum();
         assert!((c.score(0, 1).unwrap() - want).abs() < 1e-9);
         assert_eq!(c.score(2, 3), Some(0.0));
-        // A miss with 3 routes replaces the unrated resident.
+        // A miss with 10 routes (about 8.7 > 2 + 1.5 sqrt(8.7) = 6.4) replaces the unrated one.
         let mut out = [0; 1];
-        for _ in 0..3 {
+        for _ in 0..10 {
             c.lookup(0, &[6], 1, &mut out).unwrap();
         }
         c.admit(0, &[6], 8).unwrap(); // the free slot
-        for _ in 0..3 {
+        for _ in 0..10 {
             c.lookup(0, &[7], 1, &mut out).unwrap();
         }
         let up = c.admit(0, &[7], 8).unwrap();
@@ -1131,16 +1138,19 @@ mod tests {
 
     #[test]
     fn adaptive_victims_are_the_coldest_through_rescaling() {
-        // A half-life of 1 token rescales every 512 tokens; 4 layers share 20 slots. After
-        // every admit, each eviction took the lowest score among the unprotected residents.
+        // A half-life of 8 tokens rescales every 4096 tokens (10000 here); 4 layers share 20
+        // slots, their popularity shifting. After every admit, each eviction took the lowest score among the
+        // unprotected residents.
         let mut rng = Rng(11);
-        let mut c = SlotCache::with_policy(20, 32, adaptive(1.0, 0.5)).unwrap();
+        let mut c = SlotCache::with_policy(20, 32, adaptive(8.0, 0.5)).unwrap();
         let mut named: Vec<Vec<i32>> = vec![Vec::new(); 4];
         let mut evictions = 0;
-        for t in 0..6000 {
+        for t in 0..40000 {
             let layer = t % 4;
             let mut ids = Vec::new();
-            rng.distinct(4, 0, 6 + layer * 6, &mut ids);
+            // Each layer's experts shift every 1000 steps, so that scores keep changing.
+            let lo = (t / 1000) % 3 * 4;
+            rng.distinct(4, lo, lo + 6 + layer * 6, &mut ids);
             let mut out = [0; 4];
             c.lookup(layer, &ids, 4, &mut out).unwrap();
             named[layer] = ids.clone();
@@ -1175,7 +1185,7 @@ mod tests {
                 );
                 assert_eq!(vs.2, lowest, "step {t}: evicted {v:?}");
                 let cand = c.score(layer, u.expert).unwrap();
-                assert!(cand > vs.2 + 0.5 * (1.0 - 1e-9), "step {t}");
+                assert!(admits(cand * (1.0 + 1e-9), vs.2, 0.5), "step {t}");
                 gone.push(v);
             }
         }

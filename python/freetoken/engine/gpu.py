@@ -28,6 +28,7 @@ __all__ = [
     "ExpertPool",
     "GpuStatus",
     "available",
+    "constant",
     "device_info",
     "expert_matmul",
     "handoff_routes",
@@ -177,6 +178,25 @@ class ExpertPool:
                 f"slot data must be {self.matrix_nbytes} uint8 bytes, got {src.numel()} {src.dtype}"
             )
         self.slot_view(slot).copy_(src, non_blocking=False)
+
+
+#: Elements of each tensor :func:`constant` keeps: a 512-token prompt chunk times top-k 32.
+_CONSTANT_LEN = 512 * 32
+_constants: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def constant(n: int, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` elements equal to ``value``: a view of one tensor per (device, dtype, value), made
+    once and never freed, so a CUDA graph that captured such a view never reads freed memory
+    when a larger batch comes (a per-object buffer grown on demand would be). Beyond its
+    length a new tensor is returned: graphs capture one-token steps only."""
+    key = (device, dtype, value)
+    buf = _constants.get(key)
+    if buf is None:
+        buf = _constants[key] = torch.full((_CONSTANT_LEN,), value, dtype=dtype, device=device)
+    if n <= buf.numel():
+        return buf[:n]
+    return torch.full((n,), value, dtype=dtype, device=device)
 
 
 def host_tensor(addr: int, nbytes: int, owner: Any) -> torch.Tensor:

@@ -43,8 +43,6 @@ class _Weight:
         self, n: int, k: int, pool: gpu.ExpertPool | None, dense: torch.Tensor | None
     ) -> None:
         self.n, self.k, self.pool, self.dense = n, k, pool, dense
-        if pool is not None:
-            self._ids = torch.zeros((1, 1), dtype=torch.int32, device=pool.device)
 
     @classmethod
     def quantized(
@@ -74,9 +72,8 @@ class _Weight:
             # bf16 inputs, float32 accumulation and output (logits keep their precision).
             return torch.mm(x.to(self.dense.dtype), self.dense.t(), out_dtype=torch.float32)
         t = x.shape[0]
-        if self._ids.shape[0] < t:
-            self._ids = torch.zeros((t, 1), dtype=torch.int32, device=x.device)
-        y = gpu.expert_matmul(self.pool, x.contiguous(), self._ids[:t], check_ids=False)
+        ids = gpu.constant(t, 0, torch.int32, x.device).view(t, 1)
+        y = gpu.expert_matmul(self.pool, x.contiguous(), ids, check_ids=False)
         return y.view(t, self.n)
 
     @staticmethod

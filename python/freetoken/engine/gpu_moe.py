@@ -407,7 +407,6 @@ class GpuMoeFFN:
         # Routes per expert, counted on the device (capturable) and flushed into the
         # engine's counters when read (MoeContext.collect).
         self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
-        self._ones = torch.ones(0, dtype=torch.int64, device=experts.device)
 
     def flush_counts(self, counters: _core.MoeCounters) -> None:
         """Adds the routes counted since the last flush to ``counters``."""
@@ -419,9 +418,7 @@ class GpuMoeFFN:
         x = x.contiguous()
         ids, weights = route(self.router(x), self.routing, self.selection_bias)
         flat = ids.view(-1)
-        if self._ones.numel() < flat.numel():
-            self._ones = torch.ones(flat.numel(), dtype=torch.int64, device=flat.device)
-        self.counts.index_add_(0, flat, self._ones[: flat.numel()])
+        self.counts.index_add_(0, flat, gpu.constant(flat.numel(), 1, torch.int64, flat.device))
         out = self.experts.launch(self.ex, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
