@@ -1,9 +1,6 @@
 //! A persistent thread pool: workers are created once, spin briefly after each job and then
 //! park, so back-to-back products of a decode step (a few microseconds apart) start at once
-//! instead of paying a wake-up each, and an idle pool costs nothing. While a [`Hot`] guard is
-//! held (hybrid decode: jobs come once per layer, 100-200 us apart, while the GPU runs the
-//! rest of the layer) they spin up to [`HOT_SPIN`] instead: a parked worker takes tens of
-//! microseconds to wake, on every layer.
+//! instead of paying a wake-up each, and an idle pool costs nothing.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -14,12 +11,8 @@ use std::time::{Duration, Instant};
 /// How long a worker (or the caller waiting for workers) polls before it sleeps.
 const SPIN: Duration = Duration::from_micros(100);
 
-/// How long they poll while the pool is held hot.
-pub const HOT_SPIN: Duration = Duration::from_millis(2);
-
-/// Polls `ready` for up to [`SPIN`] ([`HOT_SPIN`] while `hot` is non-zero); true if it
-/// turned true.
-fn spin_until(hot: &AtomicUsize, ready: impl Fn() -> bool) -> bool {
+/// Polls `ready` for up to [`SPIN`]; true if it turned true.
+fn spin_until(ready: impl Fn() -> bool) -> bool {
     let start = Instant::now();
     loop {
         for _ in 0..64 {
@@ -28,12 +21,7 @@ fn spin_until(hot: &AtomicUsize, ready: impl Fn() -> bool) -> bool {
             }
             std::hint::spin_loop();
         }
-        let limit = if hot.load(Ordering::Relaxed) > 0 {
-            HOT_SPIN
-        } else {
-            SPIN
-        };
-        if start.elapsed() > limit {
+        if start.elapsed() > SPIN {
             return ready();
         }
     }
@@ -63,8 +51,6 @@ struct Shared {
     done: Condvar,
     next: AtomicUsize,
     panicked: AtomicBool,
-    /// Live [`Hot`] guards.
-    hot: AtomicUsize,
 }
 
 /// Workers that run `f(0..n_tasks)` together with the calling thread.
@@ -89,7 +75,6 @@ impl ThreadPool {
             done: Condvar::new(),
             next: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
-            hot: AtomicUsize::new(0),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -110,12 +95,6 @@ impl ThreadPool {
     /// Threads that take part in a job, the caller included.
     pub fn n_threads(&self) -> usize {
         self.workers.len() + 1
-    }
-
-    /// Keeps the workers spinning between jobs (up to [`HOT_SPIN`]) until the guard drops.
-    pub fn hot(&self) -> Hot<'_> {
-        self.shared.hot.fetch_add(1, Ordering::Relaxed);
-        Hot(&self.shared.hot)
     }
 
     /// Calls `f(i)` for every `i` in `0..n_tasks`, spread over the workers and the caller;
@@ -153,7 +132,7 @@ impl ThreadPool {
         let mut st = shared.state.lock().unwrap();
         if !idle() {
             drop(st);
-            spin_until(&shared.hot, idle);
+            spin_until(idle);
             st = shared.state.lock().unwrap();
             while !idle() {
                 st = shared.done.wait(st).unwrap();
@@ -186,7 +165,7 @@ fn worker(shared: &Shared) {
     let mut seen = 0u64;
     loop {
         let published = || shared.generation.load(Ordering::SeqCst) != seen;
-        spin_until(&shared.hot, published);
+        spin_until(published);
         let (job, n_tasks) = {
             let mut st = shared.state.lock().unwrap();
             while !published() && !st.shutdown {
@@ -207,15 +186,6 @@ fn worker(shared: &Shared) {
             let _st = shared.state.lock().unwrap();
             shared.done.notify_one();
         }
-    }
-}
-
-/// See [`ThreadPool::hot`].
-pub struct Hot<'a>(&'a AtomicUsize);
-
-impl Drop for Hot<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -256,26 +226,6 @@ mod tests {
         }
         // Only the caller and the two workers ever ran tasks: nothing was spawned per job.
         assert!(ids.lock().unwrap().len() <= 3);
-    }
-
-    #[test]
-    fn hot_guards_nest_and_jobs_run_across_gaps() {
-        let pool = ThreadPool::new(3);
-        {
-            let _a = pool.hot();
-            let _b = pool.hot();
-            assert_eq!(pool.shared.hot.load(Ordering::Relaxed), 2);
-            // Gaps longer than SPIN (workers would have parked) and shorter than HOT_SPIN.
-            for _ in 0..5 {
-                std::thread::sleep(Duration::from_micros(300));
-                let n = AtomicUsize::new(0);
-                pool.run(32, &|_| {
-                    n.fetch_add(1, Ordering::Relaxed);
-                });
-                assert_eq!(n.load(Ordering::Relaxed), 32);
-            }
-        }
-        assert_eq!(pool.shared.hot.load(Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -526,8 +526,6 @@ impl PyMoeExecutor {
                 )
             };
             let mut routes = vec![0i32; per_layer];
-            // Requests come once per layer, a GPU layer apart: keep the workers awake.
-            let _hot = pool.hot();
             hb.serve(|r| {
                 if r.layer >= n_layers || r.n_tokens == 0 || r.n_tokens > max_tokens {
                     return Err(Error::InvalidInput(format!(
