@@ -12,8 +12,8 @@ server's peak RSS (VmHWM) are reported beside it. Prints a markdown table; ``--j
 everything.
 
     python3 benches/bench_server_streams.py -m MODEL.gguf --llama-server PATH --streams 4,16 \\
-        --freetoken-args "--moe-strategy hybrid --moe-cache-mib 3888" \\
-        --llama-args "-ngl 99 -ncmoe 36 -fa off" -t 16 --json out.json
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib 3888" \\
+        "--llama-args=-ngl 99 -ncmoe 36 -fa off" -t 16 --json out.json
 """
 
 from __future__ import annotations
@@ -158,14 +158,19 @@ async def _round(url: str, streams: int, max_tokens: int) -> dict[str, Any]:
 
 
 def _server_cmd(engine: str, args: argparse.Namespace, streams: int, port: int) -> list[str]:
-    ctx = streams * (args.max_tokens + 64)
+    # The same KV positions for both: llama-server's -c is the total it splits over its -np
+    # slots, FreeToken's the context of each slot.
+    per_slot = args.max_tokens + 64
     if engine == "freetoken":
         cmd = [sys.executable, "-m", "freetoken", "serve", "-m", args.model, "--host"]
-        cmd += ["127.0.0.1", "--port", str(port), "-np", str(streams), "-c", str(ctx)]
+        cmd += ["127.0.0.1", "--port", str(port), "-np", str(streams), "-c", str(per_slot)]
         cmd += ["-t", str(args.threads), *shlex.split(args.freetoken_args)]
         return cmd
     cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-np", str(streams), "-c", str(ctx), "-t", str(args.threads)]
+    cmd += ["-np", str(streams), "-c", str(streams * per_slot), "-t", str(args.threads)]
+    # An HTTP thread per stream: with fewer (its default follows the core count) llama-server
+    # dropped connections at 16 streams on the H200 (ServerDisconnectedError).
+    cmd += ["--threads-http", str(streams + 2)]
     return cmd + shlex.split(args.llama_args)
 
 
@@ -206,7 +211,9 @@ def main() -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("--freetoken-args", default="", help="extra freetoken serve flags")
-    ap.add_argument("--llama-args", default="-ngl 99", help="extra llama-server flags")
+    ap.add_argument(
+        "--llama-args", default="-ngl 99", help="extra llama-server flags (--llama-args=...)"
+    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()

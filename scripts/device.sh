@@ -210,8 +210,8 @@ bench_streams() {
     bench_model
     python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
         --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16}" -n 64 \
-        -t "$(nproc)" --freetoken-args "--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
-        --llama-args "-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
+        -t "$(nproc)" "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
+        "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
         --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
 }
 

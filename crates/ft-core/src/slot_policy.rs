@@ -13,8 +13,8 @@
 //!   of the pool, so layers sharing a pool are compared on one clock). While a slot is free a
 //!   missed expert takes it; once the pool is full a missed expert replaces the resident with
 //!   the lowest score (ties: the least recently used), among those no layer's current step
-//!   names, only if its own score is higher by more than `margin` routes. Otherwise it stays
-//!   on the CPU.
+//!   names, only if its own score is higher by more than `margin` routes plus
+//!   [`SIGNIFICANCE`] standard deviations of the difference. Otherwise it stays on the CPU.
 //!
 //! Why: MoE expert popularity is skewed and stable per layer over thousands of tokens. LRU
 //! spends slots on the cold experts that were merely named last, so under a stable skewed
@@ -23,9 +23,9 @@
 //! can beat the pool's share of the experts, and this one matches it while uploading far
 //! less than LRU (a swap needs evidence, `margin`). Simulated hybrid decode (4 layers of 128
 //! experts, top-8, sharing a pool of 10 / 25 / 50% of their experts; benches/README.md,
-//! "Expert cache policy (simulation)"): the hit rate is 1.90x / 1.37x / 1.13x LRU's under the
-//! Zipf 0.55 popularity of `make-test-model`, within 2 points of the best fixed set of
-//! experts, and 1.00x to 1.01x LRU's under uniform routing, with 0.1 to 1 uploads a token
+//! "Expert cache policy (simulation)"): the hit rate is 1.92x / 1.38x / 1.14x LRU's under the
+//! Zipf 0.55 popularity of `make-test-model`, within 1 point of the best fixed set of
+//! experts, and 0.99x to 1.00x LRU's under uniform routing, with 0.01 to 0.1 uploads a token
 //! against LRU's 12 to 29.
 //!
 //! # How it is computed
