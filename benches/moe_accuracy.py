@@ -1,13 +1,14 @@
 """Per-token error of the CPU expert executor against the float64 reference, per weight type,
 over many tokens: the figures behind the tolerances of tests/test_moe_executor.py.
 
-    python benches/moe_accuracy.py [-n 2000] [-k 8] [--types Q4_0,Q6_K]
+    python benches/moe_accuracy.py [-n 2000] [-k 8] [--types Q4_0,Q6_K] [--precise]
 
 Each type is written as gate and up with a Q8_0 down, then as down with Q8_0 gate and up (8
 experts, hidden 256, expert FFN 512, the test module's inputs: unit-RMS tokens, N(0, 1/K)
 weights, softmax routing weights). Prints mean, 99th percentile and maximum of the per-token
 relative error against the float64 product of the dequantized weights, and the largest
-difference from the reference that rounds x and h as ggml does.
+difference from the reference that rounds x and h as ggml does. ``--precise``: the executor
+with residual activations (``--moe-cpu-precise``).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def main() -> int:
     ap.add_argument("-n", "--tokens", type=int, default=2000)
     ap.add_argument("-k", "--top-k", type=int, default=8)
     ap.add_argument("--types", help="comma-separated types (default: every type with a dot)")
+    ap.add_argument("--precise", action="store_true", help="residual activations")
     args = ap.parse_args()
     types = args.types.split(",") if args.types else t.STORAGE_TYPES
-    executor = _core.MoeExecutor(2)
+    executor = _core.MoeExecutor(2, residual_acts=args.precise)
     rng = np.random.default_rng(200)
     shapes = {
         "gate": (N_EXPERTS, t.I, t.H),

@@ -12,7 +12,10 @@ use criterion::{
     criterion_group, Bencher, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use freetoken_ggml::{quantize, GgmlType};
-use ft_cpu::{moe_forward, Activation, ExpertMats, MoeWeights, QuantWeight, ThreadPool};
+use ft_cpu::{
+    moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeWeights, QuantWeight,
+    ThreadPool,
+};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -270,28 +273,36 @@ fn moe(c: &mut Criterion) {
     let mut out = vec![0f32; MOE_PREFILL_TOKENS * MOE_HIDDEN];
 
     let mut group = c.benchmark_group("moe");
-    for pool in &pools {
-        let threads = pool.n_threads();
-        let bytes = MOE_TOP_K * expert_bytes;
-        configure(&mut group, bytes);
-        group.bench_function(BenchmarkId::new("decode", format!("{threads}t")), |b| {
-            let mut step = 0;
-            timed(b, "moe/decode", threads, bytes, || {
-                let ids = &decode_ids[step % MOE_DECODE_SETS];
-                step += 1;
-                let o = &mut out[..MOE_HIDDEN];
-                moe_forward(
-                    pool,
-                    &w,
-                    black_box(&x[..MOE_HIDDEN]),
-                    ids,
-                    &route_weights[..MOE_TOP_K],
-                    o,
-                )
-                .expect("shapes match");
-                black_box(o);
-            })
-        });
+    // `decode-precise`: the same with residual activations (--moe-cpu-precise).
+    for (name, residual_acts) in [("decode", false), ("decode-precise", true)] {
+        let opts = ForwardOptions {
+            residual_acts,
+            ..ForwardOptions::default()
+        };
+        for pool in &pools {
+            let threads = pool.n_threads();
+            let bytes = MOE_TOP_K * expert_bytes;
+            configure(&mut group, bytes);
+            group.bench_function(BenchmarkId::new(name, format!("{threads}t")), |b| {
+                let mut step = 0;
+                timed(b, &format!("moe/{name}"), threads, bytes, || {
+                    let ids = &decode_ids[step % MOE_DECODE_SETS];
+                    step += 1;
+                    let o = &mut out[..MOE_HIDDEN];
+                    moe_forward_with(
+                        pool,
+                        &w,
+                        black_box(&x[..MOE_HIDDEN]),
+                        ids,
+                        &route_weights[..MOE_TOP_K],
+                        o,
+                        opts,
+                    )
+                    .expect("shapes match");
+                    black_box(o);
+                })
+            });
+        }
     }
     for pool in &pools {
         let threads = pool.n_threads();

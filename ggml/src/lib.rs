@@ -9,7 +9,7 @@ mod quant;
 mod types;
 
 pub use error::{Error, Result};
-pub use quant::{dequantize, quantize, VecDot};
+pub use quant::{dequantize, dequantize_act, quantize, VecDot};
 pub use types::GgmlType;
 
 /// Initializes ggml-cpu's tables (fp16 and e8m0 conversions) exactly once; without it the dot

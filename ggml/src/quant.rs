@@ -38,6 +38,30 @@ pub fn dequantize(t: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// Decodes activation rows (whole blocks of `t`, a `VecDot`'s activation type) into `dst`.
+/// ggml has no `to_float` for Q8_1 and Q8_K; each of their blocks is a scale and signed bytes
+/// (Q8_1: fp16 scale, fp16 sum, 32 values; Q8_K: f32 scale, 256 values, 16 int16 sums), so
+/// those are decoded here. Other types go through [`dequantize`].
+pub fn dequantize_act(t: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
+    let n = t.block_size();
+    let scale = match t {
+        GgmlType::Q8_1 => |b: &[u8]| {
+            let mut d = [0f32];
+            dequantize(GgmlType::F16, &b[..2], &mut d).map(|_| d[0])
+        },
+        GgmlType::Q8_K => |b: &[u8]| Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        _ => return dequantize(t, src, dst),
+    };
+    check_len(&format!("{t} data"), src.len(), t.row_size(dst.len())?)?;
+    for (b, out) in src.chunks_exact(t.type_size()).zip(dst.chunks_exact_mut(n)) {
+        let d = scale(b)?;
+        for (o, &q) in out.iter_mut().zip(&b[4..4 + n]) {
+            *o = d * f32::from(q as i8);
+        }
+    }
+    Ok(())
+}
+
 fn t_to_float(t: GgmlType) -> Result<ffi::ToFloat> {
     // SAFETY: a static table entry.
     let traits = unsafe { &*ffi::ggml_get_type_traits(t as i32) };
@@ -248,5 +272,37 @@ impl VecDot {
             )
         };
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each decoded activation lies within half a quantization step of the value it encodes,
+    /// the step being the block's largest magnitude over 127.
+    #[test]
+    fn dequantize_act_inverts_the_activation_types() {
+        let x: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 * (1.0 + (i % 7) as f32))
+            .collect();
+        for (weight, block) in [
+            (GgmlType::Q4_K, 256),
+            (GgmlType::Q4_1, 32),
+            (GgmlType::Q4_0, 32),
+        ] {
+            let k = VecDot::new(weight, x.len()).unwrap();
+            let mut q = vec![0u8; k.act_row_bytes()];
+            k.quantize_act(&x, &mut q).unwrap();
+            let mut back = vec![0f32; x.len()];
+            dequantize_act(k.act_type(), &q, &mut back).unwrap();
+            for (xs, bs) in x.chunks(block).zip(back.chunks(block)) {
+                let step = xs.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                for (a, b) in xs.iter().zip(bs) {
+                    assert!((a - b).abs() <= 0.5 * step * 1.01, "{weight}: {a} -> {b}");
+                }
+            }
+            assert!(dequantize_act(k.act_type(), &q[1..], &mut back).is_err());
+        }
     }
 }

@@ -113,7 +113,7 @@ class LLM:
         self.gguf = GGUFFile(self.path)
         bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
         engine = engine or EngineOptions()
-        self.model = load_model(self.gguf, bar, engine.moe_cpu_threads)
+        self.model = load_model(self.gguf, bar, engine.moe_cpu_threads, engine.moe_cpu_precise)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length

@@ -45,9 +45,33 @@ impl RowDots {
         RowDots { kernel, group }
     }
 
-    /// `out[i]` = row i of `w` (`out.len()` consecutive rows) . `act`, each value exactly
-    /// what `VecDot::dot` gives for that row.
+    /// `out[i]` = row i of `w` (`out.len()` consecutive rows) . `act`, where `act` holds one
+    /// or more quantized rows of the activation ([`crate::acts::ActCodec`]'s passes) and the
+    /// result is the sum over them; with one pass each value is exactly what `VecDot::dot`
+    /// gives for that row.
     pub(crate) fn dots(&self, w: &[u8], act: &[u8], out: &mut [f32]) {
+        let ab = self.kernel.act_row_bytes();
+        assert!(
+            !act.is_empty() && act.len().is_multiple_of(ab),
+            "{} activation bytes: not whole rows of {ab}",
+            act.len()
+        );
+        let mut passes = act.chunks_exact(ab);
+        self.dots_one(w, passes.next().expect("checked above"), out);
+        let rb = self.kernel.weight_row_bytes();
+        for a in passes {
+            for (o, rows) in out.chunks_mut(GROUP).zip(w.chunks(GROUP * rb)) {
+                let mut more = [0f32; GROUP];
+                self.dots_one(rows, a, &mut more[..o.len()]);
+                for (o, m) in o.iter_mut().zip(more) {
+                    *o += m;
+                }
+            }
+        }
+    }
+
+    /// `out[i]` = row i of `w` . `act`, one quantized activation row.
+    fn dots_one(&self, w: &[u8], act: &[u8], out: &mut [f32]) {
         let rb = self.kernel.weight_row_bytes();
         assert!(
             w.len() == rb * out.len() && act.len() == self.kernel.act_row_bytes(),

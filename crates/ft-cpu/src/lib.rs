@@ -2,6 +2,7 @@
 //! ggml-cpu's row kernels, the expert executor with its background submit / wait, and the
 //! host half of the GPU hand-off (hybrid MoE).
 
+mod acts;
 mod background;
 mod handoff;
 mod kernels;
@@ -13,6 +14,7 @@ pub use background::{Background, Ticket};
 pub use handoff::{missed_routes, HandoffBlock, Request as HandoffRequest, WORDS as HANDOFF_WORDS};
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{
-    moe_forward, moe_forward_skipping, Activation, ExpertMats, MoeStats, MoeWeights, SKIP_ROUTE,
+    moe_forward, moe_forward_skipping, moe_forward_with, Activation, ExpertMats, ForwardOptions,
+    MoeStats, MoeWeights, SKIP_ROUTE,
 };
 pub use pool::ThreadPool;

@@ -1,5 +1,6 @@
 //! The quantized product y[T, N] = x[T, K] . W^T for W in any type with a CPU dot product.
 
+use crate::acts::ActCodec;
 use crate::kernels::{RowDots, PASS_ROWS};
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
@@ -174,6 +175,16 @@ pub fn matmul_group(
 /// Quantizes each row of `x` (a whole number of rows of `kernel.k()`) to the kernel's
 /// activation type, rows in parallel.
 pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Vec<u8>> {
+    quantize_rows_with(pool, kernel, &ActCodec::new(*kernel, false), x)
+}
+
+/// As `quantize_rows`, each row as `codec` quantizes it (`codec.row_bytes()` per row).
+pub(crate) fn quantize_rows_with(
+    pool: &ThreadPool,
+    kernel: &VecDot,
+    codec: &ActCodec,
+    x: &[f32],
+) -> Result<Vec<u8>> {
     let k = kernel.k();
     if !x.len().is_multiple_of(k) {
         return Err(Error::Shape(format!(
@@ -182,7 +193,7 @@ pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Ve
         )));
     }
     let t = x.len() / k;
-    let ab = kernel.act_row_bytes();
+    let ab = codec.row_bytes();
     let mut acts = vec![0u8; t * ab];
     let out = OutPtr(acts.as_mut_ptr().cast());
     pool.run(t, &|tok| {
@@ -190,8 +201,8 @@ pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Ve
         // by this task alone.
         let dst =
             unsafe { std::slice::from_raw_parts_mut(out.get().cast::<u8>().add(tok * ab), ab) };
-        kernel
-            .quantize_act(&x[tok * k..(tok + 1) * k], dst)
+        codec
+            .quantize(&x[tok * k..(tok + 1) * k], dst)
             .expect("row sizes checked above");
     });
     Ok(acts)

@@ -9,7 +9,7 @@ use ft_core::counters::MoeCounters;
 use ft_core::experts::ExpertTensor;
 use ft_core::gguf::GgufFile;
 use ft_cpu::{
-    missed_routes, moe_forward, moe_forward_skipping, Activation, Background, ExpertMats,
+    missed_routes, moe_forward_with, Activation, Background, ExpertMats, ForwardOptions,
     HandoffBlock, MoeWeights, ThreadPool, Ticket,
 };
 use pyo3::prelude::*;
@@ -164,11 +164,11 @@ impl PyMoeLayer {
                 slice_mut::<f32>(args.out, args.x_len, "out")?,
             )
         };
-        let s = if args.skip_negative {
-            moe_forward_skipping(pool, &self.weights(), x, ids, w, out)?
-        } else {
-            moe_forward(pool, &self.weights(), x, ids, w, out)?
+        let opts = ForwardOptions {
+            skip_negative: args.skip_negative,
+            residual_acts: args.residual_acts,
         };
+        let s = moe_forward_with(pool, &self.weights(), x, ids, w, out, opts)?;
         // An empty batch (or one whose routes were all skipped) is not a step; skipped ids
         // (-1) are not counted per expert.
         if args.record && s.routes > 0 {
@@ -329,6 +329,8 @@ struct CallArgs {
     n_routes: usize,
     out: usize,
     skip_negative: bool,
+    /// The executor's `residual_acts`.
+    residual_acts: bool,
     /// Count the call in the layer's counters (the hybrid hand-off does not: the GPU counts
     /// every route of its layers).
     record: bool,
@@ -340,6 +342,7 @@ struct CallArgs {
 pub struct PyMoeExecutor {
     pool: Arc<ThreadPool>,
     background: Background,
+    residual_acts: bool,
 }
 
 /// A submitted call; `wait()` returns when it is done. Holds the call's tensors alive.
@@ -377,17 +380,27 @@ impl Drop for PyMoeTicket {
 
 #[pymethods]
 impl PyMoeExecutor {
+    /// `residual_acts`: quantize each activation in two passes, the row and its rounding
+    /// residual (`ft_cpu::ForwardOptions`): results track float math instead of carrying
+    /// ggml's activation rounding, for a second dot product per row.
     #[new]
-    fn new(n_threads: usize) -> Self {
+    #[pyo3(signature = (n_threads, residual_acts=false))]
+    fn new(n_threads: usize, residual_acts: bool) -> Self {
         PyMoeExecutor {
             pool: Arc::new(ThreadPool::new(n_threads.max(1))),
             background: Background::new("ft-moe"),
+            residual_acts,
         }
     }
 
     #[getter]
     fn n_threads(&self) -> usize {
         self.pool.n_threads()
+    }
+
+    #[getter]
+    fn residual_acts(&self) -> bool {
+        self.residual_acts
     }
 
     /// out[T, H] = the layer's routed experts on x[T, H] (`x_len` = T*H floats), ids and
@@ -417,6 +430,7 @@ impl PyMoeExecutor {
             n_routes,
             out,
             skip_negative,
+            residual_acts: self.residual_acts,
             record: true,
         };
         py.detach(|| layer.run(&self.pool, &args)).py_err()
@@ -446,6 +460,7 @@ impl PyMoeExecutor {
             n_routes,
             out,
             skip_negative,
+            residual_acts: self.residual_acts,
             record: true,
         };
         let pool = Arc::clone(&self.pool);
@@ -517,6 +532,7 @@ impl PyMoeExecutor {
         }
         let layers: Vec<Py<PyMoeLayer>> = layers.into_iter().map(|l| l.clone_ref(py)).collect();
         let pool = Arc::clone(&self.pool);
+        let residual_acts = self.residual_acts;
         let job = move || -> Result<()> {
             // SAFETY: checked above; the owners outlive the job.
             let (hb, resident) = unsafe {
@@ -554,6 +570,7 @@ impl PyMoeExecutor {
                     n_routes: n,
                     out,
                     skip_negative: true,
+                    residual_acts,
                     record: false,
                 };
                 layers[r.layer].get().run(&pool, &args)

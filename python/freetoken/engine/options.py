@@ -46,8 +46,10 @@ class EngineOptions:
     ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
     them; ``moe_cache_adaptive`` evicts by aged route counts instead of recency.
-    ``moe_cpu_threads``: the CPU expert executor's threads. ``moe_cpu_layers``: MoE layers
-    only the CPU serves (ids and ranges, a count, or ``auto``: engine/cpu_layers.py).
+    ``moe_cpu_threads``: the CPU expert executor's threads; ``moe_cpu_precise``: its
+    activations quantized in two passes (engine/moe.py, ``default_executor``).
+    ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
+    engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py)."""
 
     device: str = "auto"
@@ -58,6 +60,7 @@ class EngineOptions:
     moe_cache_profile: str | None = None
     moe_cache_adaptive: bool = False
     moe_cpu_threads: int | None = None
+    moe_cpu_precise: bool = False
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
 
@@ -92,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where routed experts run with a GPU (auto: gpu when all fit, else hybrid)",
     )
     g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
+    g.add_argument(
+        "--moe-cpu-precise",
+        action="store_true",
+        help="CPU experts: a second activation pass over the rounding residual (tracks float "
+        "math to ~0.01%%, for up to 2x the CPU expert time; default: round as llama.cpp does)",
+    )
     g.add_argument(
         "--moe-cpu-layers",
         default=None,
@@ -128,6 +137,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_profile=args.moe_cache_profile,
         moe_cache_adaptive=args.moe_cache_adaptive,
         moe_cpu_threads=args.moe_cpu_threads,
+        moe_cpu_precise=args.moe_cpu_precise,
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
     )
