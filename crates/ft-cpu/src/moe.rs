@@ -560,6 +560,26 @@ mod tests {
         out
     }
 
+    /// Gate, up (`tg`, `ffn x hidden`) and down (`td`, `hidden x ffn`) of `e` experts: seeded
+    /// N(0, 1/k)-like weights, quantized.
+    fn layer_bytes(
+        tg: GgmlType,
+        td: GgmlType,
+        e: usize,
+        hidden: usize,
+        ffn: usize,
+    ) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        let mat = |t, n, k, seed| {
+            let v = floats(e * n * k, seed, 1.0 / (k as f32).sqrt());
+            quantize(t, &v, k, None).unwrap()
+        };
+        (
+            mat(tg, ffn, hidden, 1),
+            mat(tg, ffn, hidden, 2),
+            mat(td, hidden, ffn, 3),
+        )
+    }
+
     /// Row counts that are not multiples of the 4-row kernels or of a pass (hidden 160, FFN
     /// 96), types with and without row-group kernels, 1 to 3 threads: every output equals the
     /// row-by-row computation bit for bit, whatever the task layout.
@@ -571,15 +591,7 @@ mod tests {
             (GgmlType::Q8_0, GgmlType::Q4_0),
             (GgmlType::Q5_0, GgmlType::IQ4_NL),
         ] {
-            let mat = |t, n, k, seed| {
-                let v = floats(e * n * k, seed, 1.0 / (k as f32).sqrt());
-                quantize(t, &v, k, None).unwrap()
-            };
-            let (g, u, d) = (
-                mat(tg, ffn, hidden, 1),
-                mat(tg, ffn, hidden, 2),
-                mat(td, hidden, ffn, 3),
-            );
+            let (g, u, d) = layer_bytes(tg, td, e, hidden, ffn);
             let bias = floats(e * hidden.max(ffn), 4, 0.5);
             let w = MoeWeights {
                 n_experts: e,
@@ -617,15 +629,7 @@ mod tests {
             (GgmlType::Q4_K, GgmlType::Q6_K),
             (GgmlType::Q4_0, GgmlType::Q8_0),
         ] {
-            let mat = |ty, n, kk, seed| {
-                let v = floats(e * n * kk, seed, 1.0 / (kk as f32).sqrt());
-                quantize(ty, &v, kk, None).unwrap()
-            };
-            let (g, u, d) = (
-                mat(tg, ffn, hidden, 1),
-                mat(tg, ffn, hidden, 2),
-                mat(td, hidden, ffn, 3),
-            );
+            let (g, u, d) = layer_bytes(tg, td, e, hidden, ffn);
             let w = MoeWeights {
                 n_experts: e,
                 gate: mats(tg, &g, ffn, hidden, e, None),
@@ -707,15 +711,7 @@ mod tests {
     fn skipped_routes_are_not_computed() {
         let (e, hidden, ffn, k) = (6, 160, 96, 4);
         let ty = GgmlType::Q8_0;
-        let mat = |n, kk, seed| {
-            let v = floats(e * n * kk, seed, 1.0 / (kk as f32).sqrt());
-            quantize(ty, &v, kk, None).unwrap()
-        };
-        let (g, u, d) = (
-            mat(ffn, hidden, 1),
-            mat(ffn, hidden, 2),
-            mat(hidden, ffn, 3),
-        );
+        let (g, u, d) = layer_bytes(ty, ty, e, hidden, ffn);
         let w = MoeWeights {
             n_experts: e,
             gate: mats(ty, &g, ffn, hidden, e, None),
