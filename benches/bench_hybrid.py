@@ -1,16 +1,18 @@
 """FreeToken's ``--moe-strategy hybrid`` against llama.cpp's ``--n-cpu-moe``, side by side.
 
-Per model (``--model``, repeatable: e.g. a uniform- and a zipf-routing model): llama-bench
-with every layer on the GPU but the experts of the first N layers on the CPU (``-ncmoe N``,
-one process per N), and ``freetoken bench`` per configuration (``--configs``: a strategy,
+Per model (``--model``, repeatable: e.g. a uniform- and a zipf-routing model): llama-bench with
+every layer on the GPU but the experts of the first N layers on the CPU (``-ncmoe N``, one
+process per N), and ``freetoken bench`` per configuration (``--configs``: a strategy,
 ``+adaptive`` for ``--moe-cache-adaptive``, ``+profile`` for ``--moe-cache-profile`` with a
-profile made once by ``freetoken profile`` on other text) with a GPU expert cache of
-``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi`` (``run_with_vram`` of
-bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against llama.cpp's best tg among
-the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the lowest-VRAM llama.cpp row
-when none is). Optionally (first model only) the hand-off's cost per MoE layer: ``gpu`` against
-``hybrid`` with every expert resident, so every route hits and the CPU answers empty requests.
-A failed run leaves its error in its row; the table and the JSON are still written.
+profile made once by ``freetoken profile`` on other text, ``+tN`` for N CPU threads instead of
+``-t``: ``hybrid+profile+t8,hybrid+profile+t12`` sweeps the executor's threads) with a GPU
+expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi``
+(``run_with_vram`` of bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against
+llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the
+lowest-VRAM llama.cpp row when none is). Optionally (first model only) the hand-off's cost per
+MoE layer: ``gpu`` against ``hybrid`` with every expert resident, so every route hits and the
+CPU answers empty requests. A failed run leaves its error in its row; the table and the JSON are
+still written.
 
     python3 benches/bench_hybrid.py --model UNIFORM.gguf --model ZIPF.gguf \\
         --llama-bench PATH -n 64 -r 3 -t 16 --json out.json
@@ -23,6 +25,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -143,8 +146,9 @@ def freetoken(
     args: argparse.Namespace, model: str, config: str, cache_mib: int | None
 ) -> dict[str, Any]:
     strategy, *mods = config.split("+")
+    threads = next((int(m[1:]) for m in mods if _THREADS.fullmatch(m)), args.threads)
     cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-p", "0"]
-    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "-t", str(args.threads)]
+    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "-t", str(threads)]
     cmd += ["--moe-strategy", strategy]
     if cache_mib is not None and strategy not in ("cpu", "gpu"):
         cmd += ["--moe-cache-mib", str(cache_mib)]
@@ -178,6 +182,9 @@ def freetoken(
         row["error"] = f"{type(e).__name__}: {e}\nstdout: {out[-2000:]}"
     return row
 
+
+#: A config's thread-count modifier: +t12 runs that row with 12 threads.
+_THREADS = re.compile(r"t[1-9][0-9]*")
 
 #: Text the expert-use profile is made on: not the benchmark's tokens (random ids).
 _PROFILE_PROMPTS = [
@@ -339,7 +346,8 @@ def main() -> None:
     ap.add_argument(
         "--configs",
         default="hybrid+adaptive,hybrid,offload,cpu",
-        help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive)",
+        help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive, "
+        "+profile: a seeding profile, +tN: N threads instead of -t)",
     )
     ap.add_argument(
         "--handoff-cost",
@@ -351,8 +359,10 @@ def main() -> None:
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
-        if any(m not in ("adaptive", "profile") for m in c.split("+")[1:]):
-            ap.error(f"--configs {c}: modifiers are +adaptive and +profile")
+        if any(
+            m not in ("adaptive", "profile") and not _THREADS.fullmatch(m) for m in c.split("+")[1:]
+        ):
+            ap.error(f"--configs {c}: modifiers are +adaptive, +profile and +tN (N threads)")
     ncmoe_arg = [int(v) for v in args.ncmoe.split(",")] if args.ncmoe else None
 
     report: dict[str, Any] = {
