@@ -62,6 +62,9 @@ impl ActCodec {
     }
 }
 
+/// The largest finite fp16.
+const F16_MAX: f32 = 65504.0;
+
 /// Bytes 2-3 of a Q8_1 block: its fp16 sum, d * sum(q).
 const Q8_1_SUM: std::ops::Range<usize> = 2..4;
 
@@ -79,9 +82,73 @@ fn carry_q8_1_sums(x: &[f32], first: &[u8], rest: &mut [u8]) -> Result<()> {
     for (s, xs) in sums.iter_mut().zip(x.chunks_exact(n)) {
         *s = xs.iter().sum::<f32>() - *s;
     }
+    if sums.iter().any(|s| !s.is_finite() || s.abs() > F16_MAX) {
+        // Activations beyond fp16's range (or not finite): the first pass's sums are
+        // already infinite and the output cannot be right; keep the residual's own sums
+        // rather than fail the call.
+        return Ok(());
+    }
     let fp16 = quantize(GgmlType::F16, &sums, sums.len(), None)?;
     for (b, s) in rest.chunks_exact_mut(bs).zip(fp16.chunks_exact(2)) {
         b[Q8_1_SUM].copy_from_slice(s);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every activation type's two passes dequantize to within a small fraction of the first
+    /// pass's error, Q8_1's sums add up to the block sums, and values beyond fp16's range
+    /// (a diverging model) still quantize.
+    #[test]
+    fn two_passes_carry_the_residual() {
+        let x: Vec<f32> = (0..256)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.037)
+            .collect();
+        for weight in [
+            GgmlType::Q4_K,
+            GgmlType::Q4_1,
+            GgmlType::Q4_0,
+            GgmlType::F16,
+        ] {
+            let kernel = VecDot::new(weight, x.len()).unwrap();
+            let (one, two) = (ActCodec::new(kernel, false), ActCodec::new(kernel, true));
+            assert_eq!(two.row_bytes(), 2 * one.row_bytes());
+            let mut q = vec![0u8; two.row_bytes()];
+            two.quantize(&x, &mut q).unwrap();
+            let ab = one.row_bytes();
+            let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+            dequantize_act(kernel.act_type(), &q[..ab], &mut a).unwrap();
+            dequantize_act(kernel.act_type(), &q[ab..], &mut b).unwrap();
+            let err = |v: &dyn Fn(usize) -> f32| {
+                (0..x.len())
+                    .map(|i| (x[i] - v(i)).abs())
+                    .fold(0f32, f32::max)
+            };
+            let (e1, e2) = (err(&|i| a[i]), err(&|i| a[i] + b[i]));
+            assert!(e2 <= e1 / 50.0, "{weight}: {e1} -> {e2}");
+            if kernel.act_type() == GgmlType::Q8_1 {
+                let sum_of = |row: &[u8]| {
+                    let bytes: Vec<u8> = row
+                        .chunks_exact(36)
+                        .flat_map(|b| b[2..4].to_vec())
+                        .collect();
+                    let mut v = vec![0f32; bytes.len() / 2];
+                    dequantize(GgmlType::F16, &bytes, &mut v).unwrap();
+                    v
+                };
+                let (s1, s2) = (sum_of(&q[..ab]), sum_of(&q[ab..]));
+                for (i, xs) in x.chunks_exact(32).enumerate() {
+                    let exact: f32 = xs.iter().sum();
+                    assert!((s1[i] + s2[i] - exact).abs() <= 1e-4 * exact.abs().max(1.0));
+                }
+            }
+            assert!(two.quantize(&x, &mut q[1..]).is_err());
+            let mut big = x.clone();
+            big[3] = 1e30;
+            two.quantize(&big, &mut q).unwrap();
+        }
+    }
 }
