@@ -26,6 +26,11 @@ impl ActCodec {
         ActCodec { kernel, passes }
     }
 
+    /// Values in a row.
+    pub(crate) fn k(&self) -> usize {
+        self.kernel.k()
+    }
+
     /// Bytes of one quantized row: every pass's, one after the other.
     pub(crate) fn row_bytes(&self) -> usize {
         self.passes * self.kernel.act_row_bytes()

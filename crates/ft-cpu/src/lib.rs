@@ -14,7 +14,7 @@ pub use background::{Background, Ticket};
 pub use handoff::{missed_routes, HandoffBlock, Request as HandoffRequest, WORDS as HANDOFF_WORDS};
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{
-    moe_forward, moe_forward_skipping, moe_forward_with, Activation, ExpertMats, ForwardOptions,
-    MoeStats, MoeWeights, SKIP_ROUTE,
+    moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeStats, MoeWeights,
+    SKIP_ROUTE,
 };
 pub use pool::ThreadPool;

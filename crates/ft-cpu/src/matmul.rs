@@ -175,17 +175,16 @@ pub fn matmul_group(
 /// Quantizes each row of `x` (a whole number of rows of `kernel.k()`) to the kernel's
 /// activation type, rows in parallel.
 pub fn quantize_rows(pool: &ThreadPool, kernel: &VecDot, x: &[f32]) -> Result<Vec<u8>> {
-    quantize_rows_with(pool, kernel, &ActCodec::new(*kernel, false), x)
+    quantize_rows_with(pool, &ActCodec::new(*kernel, false), x)
 }
 
 /// As `quantize_rows`, each row as `codec` quantizes it (`codec.row_bytes()` per row).
 pub(crate) fn quantize_rows_with(
     pool: &ThreadPool,
-    kernel: &VecDot,
     codec: &ActCodec,
     x: &[f32],
 ) -> Result<Vec<u8>> {
-    let k = kernel.k();
+    let k = codec.k();
     if !x.len().is_multiple_of(k) {
         return Err(Error::Shape(format!(
             "input of {} values is not a whole number of rows of {k}",

@@ -148,7 +148,7 @@ struct Grouping {
     groups: Vec<(usize, std::ops::Range<usize>)>,
 }
 
-/// The expert id that marks a route not to compute, in `moe_forward_skipping`.
+/// The expert id that marks a route not to compute (`ForwardOptions::skip_negative`).
 pub const SKIP_ROUTE: i32 = -1;
 
 /// Routes with id `SKIP_ROUTE` are left out when `skip`; any other id out of range is an error.
@@ -262,30 +262,14 @@ pub fn moe_forward(
     moe_forward_with(pool, w, x, ids, weights, out, ForwardOptions::default())
 }
 
-/// As `moe_forward`, but the routes whose id is `SKIP_ROUTE` (-1) are not computed: their
-/// weights are ignored, a token with every route skipped gets a zero row, and the stats count
-/// the computed routes only (an expert only skipped routes chose is not read). For the hybrid
-/// split, where the other routes run elsewhere and their rows are added to these. Other
-/// negative ids are still errors.
-pub fn moe_forward_skipping(
-    pool: &ThreadPool,
-    w: &MoeWeights<'_>,
-    x: &[f32],
-    ids: &[i32],
-    weights: &[f32],
-    out: &mut [f32],
-) -> Result<MoeStats> {
-    let opts = ForwardOptions {
-        skip_negative: true,
-        ..ForwardOptions::default()
-    };
-    moe_forward_with(pool, w, x, ids, weights, out, opts)
-}
-
 /// How `moe_forward_with` computes; the default is `moe_forward`'s.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardOptions {
-    /// Leave out the routes with id `SKIP_ROUTE`, as `moe_forward_skipping` does.
+    /// The routes whose id is `SKIP_ROUTE` (-1) are not computed: their weights are ignored,
+    /// a token with every route skipped gets a zero row, and the stats count the computed
+    /// routes only (an expert only skipped routes chose is not read). For the hybrid split,
+    /// where the other routes run elsewhere and their rows are added to these. Other
+    /// negative ids are still errors.
     pub skip_negative: bool,
     /// Quantize x and h in two passes, the row and its rounding residual (`crate::acts`):
     /// results track float math to about 0.01% instead of carrying ggml's activation rounding
@@ -338,11 +322,11 @@ pub fn moe_forward_with(
     // Activations, quantized once per vec_dot type (gate and up usually share one).
     let codec = |k: VecDot| ActCodec::new(k, opts.residual_acts);
     let (cg, cu, cd) = (codec(kg), codec(ku), codec(kd));
-    let xg = quantize_rows_with(pool, &kg, &cg, x)?;
+    let xg = quantize_rows_with(pool, &cg, x)?;
     let xu = if cu.shares_rows_with(&cg) {
         None
     } else {
-        Some(quantize_rows_with(pool, &ku, &cu, x)?)
+        Some(quantize_rows_with(pool, &cu, x)?)
     };
     let (agb, aub, adb) = (cg.row_bytes(), cu.row_bytes(), cd.row_bytes());
     let (dg, du, dd) = (RowDots::new(kg), RowDots::new(ku), RowDots::new(kd));
@@ -486,6 +470,11 @@ pub fn moe_forward_with(
 mod tests {
     use super::*;
     use freetoken_ggml::quantize;
+
+    const SKIPPING: ForwardOptions = ForwardOptions {
+        skip_negative: true,
+        residual_acts: false,
+    };
 
     fn floats(n: usize, mut s: u64, scale: f32) -> Vec<f32> {
         (0..n)
@@ -736,7 +725,7 @@ mod tests {
             assert!(want[..hidden].iter().all(|&v| v == 0.0));
             let pool = ThreadPool::new(2);
             let mut out = vec![f32::NAN; x.len()];
-            let s = moe_forward_skipping(&pool, &w, &x, &ids, &wts, &mut out).unwrap();
+            let s = moe_forward_with(&pool, &w, &x, &ids, &wts, &mut out, SKIPPING).unwrap();
             let same = out
                 .iter()
                 .zip(&want)
@@ -760,7 +749,7 @@ mod tests {
             // Every route skipped: zeros, nothing read.
             let none = vec![SKIP_ROUTE; t * k];
             let mut out = vec![f32::NAN; x.len()];
-            let s = moe_forward_skipping(&pool, &w, &x, &none, &wts, &mut out).unwrap();
+            let s = moe_forward_with(&pool, &w, &x, &none, &wts, &mut out, SKIPPING).unwrap();
             assert!(out.iter().all(|&v| v == 0.0) && s == MoeStats::default());
 
             // -1 without the flag, -2 with it: errors, the output untouched.
@@ -772,7 +761,7 @@ mod tests {
             let mut bad = ids.clone();
             bad[t * k - 1] = -2;
             assert!(matches!(
-                moe_forward_skipping(&pool, &w, &x, &bad, &wts, &mut out),
+                moe_forward_with(&pool, &w, &x, &bad, &wts, &mut out, SKIPPING),
                 Err(Error::InvalidInput(_))
             ));
             assert!(out.iter().all(|&v| v == 7.0));
