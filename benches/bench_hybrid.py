@@ -5,7 +5,8 @@ every layer on the GPU but the experts of the first N layers on the CPU (``-ncmo
 process per N), and ``freetoken bench`` per configuration (``--configs``: a strategy,
 ``+adaptive`` for ``--moe-cache-adaptive``, ``+profile`` for ``--moe-cache-profile`` with a
 profile made once by ``freetoken profile`` on other text, ``+tN`` for N CPU threads instead of
-``-t``: ``hybrid+profile+t8,hybrid+profile+t12`` sweeps the executor's threads) with a GPU
+``-t``: ``hybrid+profile+t8,hybrid+profile+t12`` sweeps the executor's threads, ``+pollN``
+for ``--poll N``, how long idle CPU workers poll before they sleep) with a GPU
 expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi``
 (``run_with_vram`` of bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against
 llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the
@@ -149,6 +150,7 @@ def freetoken(
     threads = next((int(m[1:]) for m in mods if _THREADS.fullmatch(m)), args.threads)
     cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-p", "0"]
     cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "-t", str(threads)]
+    cmd += [f"--poll={m[4:]}" for m in mods if _POLL.fullmatch(m)]
     cmd += ["--moe-strategy", strategy]
     if cache_mib is not None and strategy not in ("cpu", "gpu"):
         cmd += ["--moe-cache-mib", str(cache_mib)]
@@ -185,6 +187,8 @@ def freetoken(
 
 #: A config's thread-count modifier: +t12 runs that row with 12 threads.
 _THREADS = re.compile(r"t[1-9][0-9]*")
+#: A config's polling modifier: +poll50 runs that row with --poll 50.
+_POLL = re.compile(r"poll[0-9]+")
 
 #: Text the expert-use profile is made on: not the benchmark's tokens (random ids).
 _PROFILE_PROMPTS = [
@@ -347,7 +351,7 @@ def main() -> None:
         "--configs",
         default="hybrid+adaptive,hybrid,offload,cpu",
         help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive, "
-        "+profile: a seeding profile, +tN: N threads instead of -t)",
+        "+profile: a seeding profile, +tN: N threads instead of -t, +pollN: --poll N)",
     )
     ap.add_argument(
         "--handoff-cost",
@@ -360,9 +364,10 @@ def main() -> None:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if any(
-            m not in ("adaptive", "profile") and not _THREADS.fullmatch(m) for m in c.split("+")[1:]
+            m not in ("adaptive", "profile") and not (_THREADS.fullmatch(m) or _POLL.fullmatch(m))
+            for m in c.split("+")[1:]
         ):
-            ap.error(f"--configs {c}: modifiers are +adaptive, +profile and +tN (N threads)")
+            ap.error(f"--configs {c}: modifiers are +adaptive, +profile, +tN and +pollN")
     ncmoe_arg = [int(v) for v in args.ncmoe.split(",")] if args.ncmoe else None
 
     report: dict[str, Any] = {

@@ -102,18 +102,21 @@ class LLM:
         engine: EngineOptions | None = None,
     ) -> None:
         path = default_model_path() if model is None else model
-        if n_threads is not None:
-            if n_threads < 1:
-                raise InvalidInputError(f"n_threads must be at least 1, got {n_threads}")
-            _core.set_num_threads(n_threads)
+        engine = engine or EngineOptions()
+        if n_threads is not None and n_threads < 1:
+            raise InvalidInputError(f"n_threads must be at least 1, got {n_threads}")
+        poll_us = engine.poll_us
+        if n_threads is not None or poll_us is not None:
+            _core.set_num_threads(n_threads or _core.num_threads(), poll_us)
         # The Rust pool runs the heavy products; torch's own threads would only contend.
         torch.set_num_threads(1)
         self.verbose = verbose
         self.path = os.fspath(path)
         self.gguf = GGUFFile(self.path)
         bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
-        engine = engine or EngineOptions()
-        self.model = load_model(self.gguf, bar, engine.moe_cpu_threads, engine.moe_cpu_precise)
+        # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t).
+        moe_threads = engine.moe_cpu_threads or n_threads
+        self.model = load_model(self.gguf, bar, moe_threads, engine.moe_cpu_precise, engine.poll_us)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length

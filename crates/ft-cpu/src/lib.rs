@@ -17,4 +17,4 @@ pub use moe::{
     moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeStats, MoeWeights,
     SKIP_ROUTE,
 };
-pub use pool::ThreadPool;
+pub use pool::{ThreadPool, DEFAULT_POLL};

@@ -1,6 +1,8 @@
-//! A persistent thread pool: workers are created once, spin briefly after each job and then
-//! park, so back-to-back products of a decode step (a few microseconds apart) start at once
-//! instead of paying a wake-up each, and an idle pool costs nothing.
+//! A persistent thread pool: workers are created once, poll for a while after each job and
+//! then park, so back-to-back products of a decode step (microseconds apart) start at once
+//! instead of paying a wake-up each, and an idle pool costs nothing. How long they poll is
+//! the pool's `poll` (llama.cpp's `--poll`): on a VM a wake-up is an interrupt through the
+//! hypervisor, tens of microseconds per thread.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -8,11 +10,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long a worker (or the caller waiting for workers) polls before it sleeps.
-const SPIN: Duration = Duration::from_micros(100);
+/// How long a worker (or the caller waiting for workers) polls before it sleeps, by default.
+pub const DEFAULT_POLL: Duration = Duration::from_micros(100);
 
-/// Polls `ready` for up to [`SPIN`]; true if it turned true.
-fn spin_until(ready: impl Fn() -> bool) -> bool {
+/// Polls `ready` for up to `poll`; true if it turned true.
+fn spin_until(poll: Duration, ready: impl Fn() -> bool) -> bool {
     let start = Instant::now();
     loop {
         for _ in 0..64 {
@@ -21,7 +23,7 @@ fn spin_until(ready: impl Fn() -> bool) -> bool {
             }
             std::hint::spin_loop();
         }
-        if start.elapsed() > SPIN {
+        if start.elapsed() > poll {
             return ready();
         }
     }
@@ -51,6 +53,7 @@ struct Shared {
     done: Condvar,
     next: AtomicUsize,
     panicked: AtomicBool,
+    poll: Duration,
 }
 
 /// Workers that run `f(0..n_tasks)` together with the calling thread.
@@ -61,8 +64,14 @@ pub struct ThreadPool {
 }
 
 impl ThreadPool {
-    /// A pool of `n_threads` in all (the caller counts as one; `n_threads - 1` workers).
+    /// A pool of `n_threads` in all (the caller counts as one; `n_threads - 1` workers) that
+    /// polls for [`DEFAULT_POLL`].
     pub fn new(n_threads: usize) -> ThreadPool {
+        ThreadPool::with_poll(n_threads, DEFAULT_POLL)
+    }
+
+    /// A pool of `n_threads` whose idle workers poll for `poll` before they park.
+    pub fn with_poll(n_threads: usize, poll: Duration) -> ThreadPool {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 job: None,
@@ -75,6 +84,7 @@ impl ThreadPool {
             done: Condvar::new(),
             next: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
+            poll,
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -95,6 +105,11 @@ impl ThreadPool {
     /// Threads that take part in a job, the caller included.
     pub fn n_threads(&self) -> usize {
         self.workers.len() + 1
+    }
+
+    /// How long idle workers poll before they park.
+    pub fn poll(&self) -> Duration {
+        self.shared.poll
     }
 
     /// Calls `f(i)` for every `i` in `0..n_tasks`, spread over the workers and the caller;
@@ -132,7 +147,7 @@ impl ThreadPool {
         let mut st = shared.state.lock().unwrap();
         if !idle() {
             drop(st);
-            spin_until(idle);
+            spin_until(shared.poll, idle);
             st = shared.state.lock().unwrap();
             while !idle() {
                 st = shared.done.wait(st).unwrap();
@@ -165,7 +180,7 @@ fn worker(shared: &Shared) {
     let mut seen = 0u64;
     loop {
         let published = || shared.generation.load(Ordering::SeqCst) != seen;
-        spin_until(published);
+        spin_until(shared.poll, published);
         let (job, n_tasks) = {
             let mut st = shared.state.lock().unwrap();
             while !published() && !st.shutdown {
@@ -205,13 +220,17 @@ mod tests {
 
     #[test]
     fn runs_every_task_once() {
-        let pool = ThreadPool::new(4);
-        for n in [1, 3, 4, 100] {
-            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-            pool.run(n, &|i| {
-                hits[i].fetch_add(1, Ordering::Relaxed);
-            });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        // Polling for nothing parks the workers after every job: the wake-up path.
+        for poll in [Duration::ZERO, DEFAULT_POLL, Duration::from_millis(2)] {
+            let pool = ThreadPool::with_poll(4, poll);
+            assert_eq!(pool.poll(), poll);
+            for n in [1, 3, 4, 100] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(n, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
         }
     }
 

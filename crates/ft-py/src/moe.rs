@@ -382,12 +382,13 @@ impl Drop for PyMoeTicket {
 impl PyMoeExecutor {
     /// `residual_acts`: quantize each activation in two passes, the row and its rounding
     /// residual (`ft_cpu::ForwardOptions`): results track float math instead of carrying
-    /// ggml's activation rounding, for a second dot product per row.
+    /// ggml's activation rounding, for a second dot product per row. `poll_us`: how long
+    /// idle workers poll for the next job before they sleep (default: ft_cpu's).
     #[new]
-    #[pyo3(signature = (n_threads, residual_acts=false))]
-    fn new(n_threads: usize, residual_acts: bool) -> Self {
+    #[pyo3(signature = (n_threads, residual_acts=false, poll_us=None))]
+    fn new(n_threads: usize, residual_acts: bool, poll_us: Option<u64>) -> Self {
         PyMoeExecutor {
-            pool: Arc::new(ThreadPool::new(n_threads.max(1))),
+            pool: Arc::new(crate::threads::new_pool(n_threads, poll_us)),
             background: Background::new("ft-moe"),
             residual_acts,
         }
@@ -396,6 +397,11 @@ impl PyMoeExecutor {
     #[getter]
     fn n_threads(&self) -> usize {
         self.pool.n_threads()
+    }
+
+    #[getter]
+    fn poll_us(&self) -> u64 {
+        self.pool.poll().as_micros() as u64
     }
 
     #[getter]

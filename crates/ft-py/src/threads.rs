@@ -4,6 +4,7 @@
 use ft_cpu::ThreadPool;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 static POOL: Mutex<Option<Arc<ThreadPool>>> = Mutex::new(None);
 
@@ -17,14 +18,28 @@ pub fn pool() -> Arc<ThreadPool> {
     .clone()
 }
 
-/// Replaces the pool with one of `n` threads (the caller included).
+/// Replaces the pool with one of `n` threads (the caller included) whose idle workers poll
+/// for `poll_us` microseconds before they sleep.
 #[pyfunction]
-pub fn set_num_threads(n: usize) {
-    *POOL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(ThreadPool::new(n.max(1))));
+#[pyo3(signature = (n, poll_us=None))]
+pub fn set_num_threads(n: usize, poll_us: Option<u64>) {
+    *POOL.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(new_pool(n, poll_us)));
+}
+
+/// A pool of `n` threads (at least one) polling for `poll_us` (default: ft_cpu's).
+pub fn new_pool(n: usize, poll_us: Option<u64>) -> ThreadPool {
+    let poll = poll_us.map_or(ft_cpu::DEFAULT_POLL, Duration::from_micros);
+    ThreadPool::with_poll(n.max(1), poll)
 }
 
 /// Threads of the current pool.
 #[pyfunction]
 pub fn num_threads() -> usize {
     pool().n_threads()
+}
+
+/// How long the current pool's idle workers poll, in microseconds.
+#[pyfunction]
+pub fn poll_us() -> u64 {
+    pool().poll().as_micros() as u64
 }

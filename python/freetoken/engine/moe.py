@@ -18,18 +18,22 @@ __all__ = ["MoeContext", "MoeFFN", "default_executor", "expert_layer", "run_expe
 _EXECUTOR: _core.MoeExecutor | None = None
 
 
-def default_executor(n_threads: int | None = None, precise: bool = False) -> _core.MoeExecutor:
-    """The process's CPU expert executor (``--moe-cpu-threads``; default: all CPUs).
-    ``precise`` (``--moe-cpu-precise``): activations quantized in two passes, the row and its
-    rounding residual, so that results track float math (about 0.01% per token) instead of
-    ggml's (and llama.cpp's) activation rounding (1-3% with K-quants)."""
+def default_executor(
+    n_threads: int | None = None, precise: bool = False, poll_us: int | None = None
+) -> _core.MoeExecutor:
+    """The process's CPU expert executor (``--moe-cpu-threads``, else ``-t``; default: all
+    CPUs). ``precise`` (``--moe-cpu-precise``): activations quantized in two passes, the row
+    and its rounding residual, so that results track float math (about 0.01% per token)
+    instead of ggml's (and llama.cpp's) activation rounding (1-3% with K-quants).
+    ``poll_us`` (``--poll``): how long idle workers poll for the next job before sleeping."""
     global _EXECUTOR
     if (
         _EXECUTOR is None
         or (n_threads is not None and _EXECUTOR.n_threads != n_threads)
         or _EXECUTOR.residual_acts != precise
+        or (poll_us is not None and _EXECUTOR.poll_us != poll_us)
     ):
-        _EXECUTOR = _core.MoeExecutor(n_threads or os.cpu_count() or 1, precise)
+        _EXECUTOR = _core.MoeExecutor(n_threads or os.cpu_count() or 1, precise, poll_us)
     return _EXECUTOR
 
 

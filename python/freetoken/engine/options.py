@@ -34,6 +34,8 @@ MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload", "hybrid")
 CACHE_SCOPES = ("type", "per-layer")
 #: How dense weights run on the GPU (engine/gpu_layers.py).
 DENSE_MODES = ("quant", "bf16")
+#: Microseconds of polling per ``--poll`` level (llama.cpp's 0-100 scale).
+POLL_STEP_US = 20
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,10 @@ class EngineOptions:
     ``moe_cache_*``: the slot pools' size in MiB (default: what fits), ``type`` or
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
     them; ``moe_cache_adaptive`` evicts by aged route counts instead of recency.
-    ``moe_cpu_threads``: the CPU expert executor's threads; ``moe_cpu_precise``: its
-    activations quantized in two passes (engine/moe.py, ``default_executor``).
+    ``moe_cpu_threads``: the CPU expert executor's threads (default: ``-t``);
+    ``moe_cpu_precise``: its activations quantized in two passes (engine/moe.py,
+    ``default_executor``). ``poll``: llama.cpp's ``--poll`` level, 0-100: idle CPU workers
+    poll for the next job ``poll`` x 20 µs before they sleep (None: 100 µs).
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
     engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py)."""
@@ -61,6 +65,7 @@ class EngineOptions:
     moe_cache_adaptive: bool = False
     moe_cpu_threads: int | None = None
     moe_cpu_precise: bool = False
+    poll: int | None = None
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
 
@@ -82,6 +87,13 @@ class EngineOptions:
             raise InvalidInputError(
                 f"--moe-cpu-threads must be at least 1, got {self.moe_cpu_threads}"
             )
+        if self.poll is not None and not 0 <= self.poll <= 100:
+            raise InvalidInputError(f"--poll must be within 0-100, got {self.poll}")
+
+    @property
+    def poll_us(self) -> int | None:
+        """How long idle CPU workers poll, in microseconds (None: the pools' default)."""
+        return None if self.poll is None else self.poll * POLL_STEP_US
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,7 +106,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="where routed experts run with a GPU (auto: gpu when all fit, else hybrid)",
     )
-    g.add_argument("--moe-cpu-threads", type=int, default=None, help="CPU expert threads")
+    g.add_argument(
+        "--moe-cpu-threads", type=int, default=None, help="CPU expert threads (default: -t)"
+    )
+    g.add_argument(
+        "--poll",
+        type=int,
+        default=None,
+        metavar="0-100",
+        help=f"CPU workers poll for the next job N x {POLL_STEP_US} us before they sleep "
+        "(default: 5)",
+    )
     g.add_argument(
         "--moe-cpu-precise",
         action="store_true",
@@ -138,6 +160,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_adaptive=args.moe_cache_adaptive,
         moe_cpu_threads=args.moe_cpu_threads,
         moe_cpu_precise=args.moe_cpu_precise,
+        poll=args.poll,
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
     )

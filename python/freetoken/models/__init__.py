@@ -45,10 +45,11 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     moe_threads: int | None = None,
     moe_precise: bool = False,
+    moe_poll_us: int | None = None,
 ) -> Transformer:
     """The model of ``gguf``'s architecture; UnsupportedError for an unknown one.
-    ``moe_threads`` and ``moe_precise`` make the CPU expert executor of MoE models
-    (``default_executor``)."""
+    ``moe_threads``, ``moe_precise`` and ``moe_poll_us`` make the CPU expert executor of MoE
+    models (``default_executor``)."""
     arch = gguf.architecture
     family = FAMILIES.get(arch)
     if family is None:
@@ -66,7 +67,7 @@ def load_model(
     # A family with an FFN factory is MoE when the file has experts (llama: Mixtral).
     if hasattr(family, "ffn_factory") and cfg.n_experts > 0:
         moe = MoeContext(
-            default_executor(moe_threads, moe_precise), _core.MoeCounters(cfg.n_layers)
+            default_executor(moe_threads, moe_precise, moe_poll_us), _core.MoeCounters(cfg.n_layers)
         )
         make_ffn = family.ffn_factory(moe)
     model = Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
