@@ -4,8 +4,9 @@ Per model (``--model``, repeatable: e.g. a uniform- and a zipf-routing model): l
 every layer on the GPU but the experts of the first N layers on the CPU (``-ncmoe N``, one
 process per N), and ``freetoken bench`` per configuration (``--configs``: a strategy,
 ``+adaptive`` for ``--moe-cache-adaptive``, ``+profile`` for ``--moe-cache-profile`` with a
-profile made once by ``freetoken profile`` on other text, ``+tN`` for N CPU threads instead of
-``-t``: ``hybrid+profile+t8,hybrid+profile+t12`` sweeps the executor's threads, ``+pollN``
+profile made once by ``freetoken profile`` on other text, ``+tN`` for ``-t N`` (without it
+FreeToken picks its own threads; ``-t`` is llama.cpp's): ``hybrid+profile+t8,hybrid+profile+t12``
+sweeps the executor's threads, ``+pollN``
 for ``--poll N``, how long idle CPU workers poll before they sleep) with a GPU
 expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi``
 (``run_with_vram`` of bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against
@@ -147,9 +148,9 @@ def freetoken(
     args: argparse.Namespace, model: str, config: str, cache_mib: int | None
 ) -> dict[str, Any]:
     strategy, *mods = config.split("+")
-    threads = next((int(m[1:]) for m in mods if _THREADS.fullmatch(m)), args.threads)
     cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-p", "0"]
-    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "-t", str(threads)]
+    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json"]
+    cmd += [f"-t{m[1:]}" for m in mods if _THREADS.fullmatch(m)]
     cmd += [f"--poll={m[4:]}" for m in mods if _POLL.fullmatch(m)]
     cmd += ["--moe-strategy", strategy]
     if cache_mib is not None and strategy not in ("cpu", "gpu"):
@@ -338,7 +339,7 @@ def main() -> None:
     ap.add_argument("--llama-bench", required=True)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-r", type=int, default=3)
-    ap.add_argument("-t", "--threads", type=int, default=16)
+    ap.add_argument("-t", "--threads", type=int, default=16, help="llama.cpp's threads")
     ap.add_argument(
         "--fraction", type=float, default=0.25, help="GPU expert cache, share of expert bytes"
     )
@@ -351,7 +352,7 @@ def main() -> None:
         "--configs",
         default="hybrid+adaptive,hybrid,offload,cpu",
         help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive, "
-        "+profile: a seeding profile, +tN: N threads instead of -t, +pollN: --poll N)",
+        "+profile: a seeding profile, +tN: -t N for FreeToken, +pollN: --poll N)",
     )
     ap.add_argument(
         "--handoff-cost",

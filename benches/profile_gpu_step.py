@@ -1,9 +1,11 @@
 """Where a GPU step's time goes: the CUDA kernels of one prompt pass and of eager decode
-steps (no graph, so each kernel shows), by total time and count, from torch.profiler; and
-the replayed-graph decode step's time.
+steps (no graph, so each kernel shows), by total time and count, from torch.profiler; the
+replayed-graph decode step's time; with ``--batch N``, decode steps of N sequences at once
+(the server's continuous batching: eager), timed, with the host's share (hybrid's CPU thread
+busy time) and a profile of one.
 
     python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant] \
-        [--moe-strategy hybrid --moe-cache-mib N]
+        [--moe-strategy hybrid --moe-cache-mib N] [-t THREADS] [--batch 4]
 """
 
 from __future__ import annotations
@@ -14,16 +16,13 @@ import time
 import torch
 from freetoken.engine.options import EngineOptions
 from freetoken.llm import LLM
+from freetoken.models.transformer import Transformer
 from torch.profiler import ProfilerActivity, profile
 
 
-def _table(prof: profile, title: str, rows: int) -> None:
-    print(f"\n## {title}")
-    print(
-        prof.key_averages().table(
-            sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
-        )
-    )
+def _table(prof: profile, title: str, rows: int, sort_by: str = "cuda_time_total") -> None:
+    print(f"\n## {title}, by {sort_by}")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=70))
 
 
 def main() -> None:
@@ -35,10 +34,13 @@ def main() -> None:
     ap.add_argument("--moe-strategy", default="gpu")
     ap.add_argument("--moe-cache-mib", type=int, default=None)
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=0, help="sequences of a batched decode step")
     args = ap.parse_args()
     llm = LLM(
         args.model,
         n_ctx=args.p + 64,
+        n_threads=args.threads,
         engine=EngineOptions(
             device="cuda",
             moe_strategy=args.moe_strategy,
@@ -78,6 +80,38 @@ def main() -> None:
         model.forward([400 + i], cache)
     torch.cuda.synchronize()
     print(f"\ngraph decode: {(time.perf_counter() - t0) / 32 * 1e3:.3f} ms per step")
+    if args.batch:
+        batched_steps(model, args)
+
+
+def batched_steps(model: Transformer, args: argparse.Namespace) -> None:
+    """Times decode steps of ``--batch`` sequences (one token each, each its own cache)."""
+    caches = [model.new_cache(args.p + 64) for _ in range(args.batch)]
+    for i, c in enumerate(caches):
+        model.forward(list(range(100 + i, 100 + i + args.p)), c)
+    hook = model.step_hook
+    steps = 16
+
+    def step(i: int) -> None:
+        model.forward_batch([([500 + 7 * j + i], c) for j, c in enumerate(caches)])
+
+    for i in range(4):
+        step(i)
+    busy = hook.stats().cpu_busy_s if hook is not None else 0.0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(4 + i)
+    secs = (time.perf_counter() - t0) / steps
+    busy = ((hook.stats().cpu_busy_s if hook is not None else 0.0) - busy) / steps
+    print(
+        f"\nbatched decode, {args.batch} sequences: {secs * 1e3:.2f} ms per step "
+        f"({args.batch / secs:.1f} t/s), host expert thread busy {busy * 1e3:.2f} ms per step"
+    )
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(4 + steps)
+        torch.cuda.synchronize()
+    for key in ("cuda_time_total", "self_cpu_time_total"):
+        _table(prof, f"one batched decode step of {args.batch} sequences", args.rows, key)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 # test:    pytest -m gpu on that install (builds first if $FT_BUILD has no library).
 # bench:   benches/bench_gpu_experts.py, and llama-bench when FT_BENCH_MODEL names a GGUF.
 # bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
-#   uniform and zipf 48-layer models, written if missing), configs $FT_HYBRID_CONFIGS.
+#   uniform and zipf 48-layer models, written if missing: bench-models), configs
+#   $FT_HYBRID_CONFIGS, more bench_hybrid.py arguments in $FT_HYBRID_ARGS (--ncmoe 31 ...).
 # Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +173,12 @@ bench_model() {
     log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
 }
 
+# Both 48-layer models: uniform ($BENCH_MODEL) and zipf ($ZIPF_MODEL) routing.
+bench_models() {
+    bench_model
+    bench_model "$ZIPF_MODEL" --routing zipf
+}
+
 # FreeToken (all experts resident; dense weights both ways) against llama-bench -ngl 99.
 bench_e2e() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
@@ -187,19 +194,19 @@ bench_e2e() {
 bench_hybrid() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local configs=${FT_HYBRID_CONFIGS:-hybrid+adaptive,hybrid,offload,cpu}
-    local models=() args=() m
+    local models=() args=() extra=() m
     if [ -n "${FT_HYBRID_MODELS:-}" ]; then
         read -r -a models <<<"$FT_HYBRID_MODELS"
         [ -d "$FT_SITE/freetoken" ] || install_wheel
         env_for_tests
     else
-        bench_model
-        bench_model "$ZIPF_MODEL" --routing zipf
+        bench_models
         models=("$BENCH_MODEL" "$ZIPF_MODEL")
     fi
     for m in "${models[@]}"; do args+=(--model "$m"); done
+    read -r -a extra <<<"${FT_HYBRID_ARGS:-}"
     python3 benches/bench_hybrid.py "${args[@]}" --llama-bench "$FT_BUILD/bin/llama-bench" \
-        -n 64 -r 3 -t "$(nproc)" --configs "$configs" \
+        -n 64 -r 3 -t "$(nproc)" --configs "$configs" "${extra[@]}" \
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
@@ -233,6 +240,7 @@ for phase in "$@"; do
     test) run_tests ;;
     bench) bench ;;
     bench-model) bench_model ;;
+    bench-models) bench_models ;;
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
     bench-streams) bench_streams ;;

@@ -3,6 +3,7 @@ dense products' pool and the expert executor (llama.cpp's ``-t`` sizes both)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from freetoken import _core
+from freetoken.engine.moe import default_threads
 from freetoken.engine.options import POLL_STEP_US, EngineOptions
 from freetoken.errors import InvalidInputError
 from freetoken.llm import LLM
@@ -61,3 +63,16 @@ def test_poll_out_of_range(model: Path, poll: int) -> None:
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--poll" in lines[0], r.stderr
+
+
+def test_default_threads_leave_cores_beside_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert default_threads(with_gpu=False) == 16
+    assert default_threads(with_gpu=True) == 12
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert default_threads(with_gpu=True) == 1
+
+
+def test_cpu_model_uses_every_allowed_cpu_by_default(model: Path) -> None:
+    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
+    assert llm.model.moe.executor.n_threads == len(os.sched_getaffinity(0))

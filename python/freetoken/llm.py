@@ -18,6 +18,7 @@ from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
 from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.moe import default_threads
 from freetoken.engine.options import EngineOptions
 from freetoken.engine.sampler import Sampler, SamplingParams
 from freetoken.errors import InvalidInputError
@@ -115,7 +116,9 @@ class LLM:
         self.gguf = GGUFFile(self.path)
         bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
         # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t).
-        moe_threads = engine.moe_cpu_threads or n_threads
+        moe_threads = (
+            engine.moe_cpu_threads or n_threads or default_threads(engine_options.use_gpu(engine))
+        )
         self.model = load_model(self.gguf, bar, moe_threads, engine.moe_cpu_precise, engine.poll_us)
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:

@@ -13,18 +13,38 @@ from freetoken import _core
 from freetoken.engine.routing import Routing, route
 from freetoken.gguf import GGUFFile
 
-__all__ = ["MoeContext", "MoeFFN", "default_executor", "expert_layer", "run_experts"]
+__all__ = [
+    "MoeContext",
+    "MoeFFN",
+    "default_executor",
+    "default_threads",
+    "expert_layer",
+    "run_experts",
+]
 
 _EXECUTOR: _core.MoeExecutor | None = None
+
+
+def default_threads(with_gpu: bool) -> int:
+    """The expert executor's threads when neither ``--moe-cpu-threads`` nor ``-t`` says: the
+    CPUs this process may run on, or with a GPU three quarters of them (at least one). A
+    hybrid step's CPU jobs need every worker running at once, and beside them Python's main
+    thread (spinning in CUDA synchronizations), the CUDA driver's threads and the OS want
+    cores too: on the H200 machine's 16 vCPUs, 12 threads decode 1.2-1.5x faster than 16
+    (benches/README.md, "Hybrid decode")."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = n or 1
+    return max(1, n * 3 // 4) if with_gpu else n
 
 
 def default_executor(
     n_threads: int | None = None, precise: bool = False, poll_us: int | None = None
 ) -> _core.MoeExecutor:
     """The process's CPU expert executor (``--moe-cpu-threads``, else ``-t``; default: all
-    CPUs). ``precise`` (``--moe-cpu-precise``): activations quantized in two passes, the row
-    and its rounding residual, so that results track float math (about 0.01% per token)
-    instead of ggml's (and llama.cpp's) activation rounding (1-3% with K-quants).
+    CPUs; LLM passes :func:`default_threads`). ``precise`` (``--moe-cpu-precise``):
+    activations quantized in two passes, the row and its rounding residual, so that results
+    track float math (about 0.01% per token) instead of ggml's (and llama.cpp's) activation
+    rounding (1-3% with K-quants).
     ``poll_us`` (``--poll``): how long idle workers poll for the next job before sleeping."""
     global _EXECUTOR
     if (
