@@ -146,26 +146,29 @@ pub fn matmul_group(
         .collect();
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
     let dots: Vec<RowDots> = ws.iter().map(|w| RowDots::new(w.kernel)).collect();
+    let act_rows: Vec<Vec<&[u8]>> = ws
+        .iter()
+        .zip(&act_of)
+        .map(|(w, a)| a.chunks_exact(w.kernel.act_row_bytes()).collect())
+        .collect();
     pool.run(tasks.len(), &|task| {
         let (i, r0) = tasks[task];
-        let (w, acts, out) = (&ws[i], act_of[i], outs[i]);
-        let ab = w.kernel.act_row_bytes();
+        let (w, acts, out) = (&ws[i], &act_rows[i], outs[i]);
         let rb = w.kernel.weight_row_bytes();
         let rows = r0..(r0 + per).min(w.n);
+        let mut v = vec![0f32; t * PASS_ROWS];
         // A pass's rows stay in the L1 cache while every token reads them.
         for p0 in rows.clone().step_by(PASS_ROWS) {
             let pass = p0..(p0 + PASS_ROWS).min(rows.end);
-            let wr = &w.data[pass.start * rb..pass.end * rb];
-            for (tok, a) in acts.chunks_exact(ab).enumerate() {
+            let v = &mut v[..t * pass.len()];
+            dots[i].dots(&w.data[pass.start * rb..pass.end * rb], acts, v);
+            for (tok, v) in v.chunks_exact(pass.len()).enumerate() {
                 // SAFETY: tok < T and pass < n index inside ys[i] (T * n values, checked
                 // above), and these rows of weight i belong to this task alone.
                 let y = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        out.get().add(tok * w.n + pass.start),
-                        pass.len(),
-                    )
+                    std::slice::from_raw_parts_mut(out.get().add(tok * w.n + pass.start), v.len())
                 };
-                dots[i].dots(wr, a, y);
+                y.copy_from_slice(v);
             }
         }
     });

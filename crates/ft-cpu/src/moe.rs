@@ -370,18 +370,34 @@ pub fn moe_forward_with(
             let _flag = PanicFlag(&failed);
             let (ex, ref range) = grouping.groups[g];
             let routes = &grouping.order[range.clone()];
-            let (mut gv, mut uv) = ([0f32; PASS_ROWS], [0f32; PASS_ROWS]);
+            // The routes' activation rows, so that each pass's weight blocks are unpacked once
+            // for several of them (RowDots::dots).
+            let ag: Vec<&[u8]> = routes
+                .iter()
+                .map(|&route| &xg[route / top_k * agb..(route / top_k + 1) * agb])
+                .collect();
+            let au: Vec<&[u8]> = match &xu {
+                None => ag.clone(),
+                Some(xu) => routes
+                    .iter()
+                    .map(|&route| &xu[route / top_k * aub..(route / top_k + 1) * aub])
+                    .collect(),
+            };
+            let (mut gv, mut uv) = (
+                vec![0f32; routes.len() * PASS_ROWS],
+                vec![0f32; routes.len() * PASS_ROWS],
+            );
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
                 let n = pass.len();
-                let wg = w.gate.rows(ex, pass.clone(), &kg);
-                let wu = w.up.rows(ex, pass.clone(), &ku);
-                for &route in routes {
-                    let tok = route / top_k;
-                    let ag = &xg[tok * agb..(tok + 1) * agb];
-                    let au = xu.as_ref().map_or(ag, |xu| &xu[tok * aub..(tok + 1) * aub]);
-                    dg.dots(wg, ag, &mut gv[..n]);
-                    du.dots(wu, au, &mut uv[..n]);
+                let (gv, uv) = (&mut gv[..routes.len() * n], &mut uv[..routes.len() * n]);
+                dg.dots(w.gate.rows(ex, pass.clone(), &kg), &ag, gv);
+                du.dots(w.up.rows(ex, pass.clone(), &ku), &au, uv);
+                for ((&route, gv), uv) in routes
+                    .iter()
+                    .zip(gv.chunks_exact(n))
+                    .zip(uv.chunks_exact(n))
+                {
                     for (i, r) in pass.clone().enumerate() {
                         let gate = gv[i] + w.gate.bias(ex, r);
                         let up = uv[i] + w.up.bias(ex, r);
@@ -418,27 +434,29 @@ pub fn moe_forward_with(
                 return;
             }
             let (ex, ref range) = grouping.groups[g];
+            let routes = &grouping.order[range.clone()];
+            // SAFETY: the expert's hq rows are complete (ready, Acquire) and no longer written.
+            let a: Vec<&[u8]> = routes
+                .iter()
+                .map(|&route| unsafe {
+                    std::slice::from_raw_parts(hqp.get().cast::<u8>().add(route * adb), adb)
+                })
+                .collect();
+            let mut yv = vec![0f32; routes.len() * PASS_ROWS];
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
-                let wd = w.down.rows(ex, pass.clone(), &kd);
-                for &route in &grouping.order[range.clone()] {
-                    // SAFETY: the expert's hq rows are complete (ready, Acquire) and no longer
-                    // written; y[route][pass] belongs to this task alone, as h's rows above.
-                    let (a, y) = unsafe {
-                        (
-                            std::slice::from_raw_parts(
-                                hqp.get().cast::<u8>().add(route * adb),
-                                adb,
-                            ),
-                            std::slice::from_raw_parts_mut(
-                                yp.get().add(route * hidden + pass.start),
-                                pass.len(),
-                            ),
+                let yv = &mut yv[..routes.len() * pass.len()];
+                dd.dots(w.down.rows(ex, pass.clone(), &kd), &a, yv);
+                for (&route, v) in routes.iter().zip(yv.chunks_exact(pass.len())) {
+                    // SAFETY: y[route][pass] belongs to this task alone, as h's rows above.
+                    let y = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            yp.get().add(route * hidden + pass.start),
+                            pass.len(),
                         )
                     };
-                    dd.dots(wd, a, y);
-                    for (v, r) in y.iter_mut().zip(pass.clone()) {
-                        *v += w.down.bias(ex, r);
+                    for ((y, v), r) in y.iter_mut().zip(v).zip(pass.clone()) {
+                        *y = v + w.down.bias(ex, r);
                     }
                 }
             }
