@@ -17,6 +17,9 @@
 
 use freetoken_ggml::VecDot;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512_q4_k;
+
 /// Rows per pass of a group kernel.
 const GROUP: usize = 4;
 
@@ -185,7 +188,7 @@ mod avx512 {
     /// How far ahead rows are prefetched: one pass. With the executor's gate and up rows read
     /// alternately, a pass at a time, four rows ahead reached 18 GB/s on one thread and
     /// sixteen 24.
-    const PREFETCH_ROWS: usize = super::PASS_ROWS;
+    pub(super) const PREFETCH_ROWS: usize = super::PASS_ROWS;
     /// Bytes of a Q8_0 block: fp16 scale, 32 signed values.
     const Q8_0_BLOCK: usize = 34;
     /// Bytes of a Q4_0 block: fp16 scale, 32 4-bit values (v - 8) packed low nibbles first.
@@ -221,10 +224,17 @@ mod avx512 {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        if !usable || kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) {
+        const _: () = assert!(TILES[0] == 8 && TILES[1] == 4 && TILES[2] == 1);
+        if !usable {
             return None;
         }
-        const _: () = assert!(TILES[0] == 8 && TILES[1] == 4 && TILES[2] == 1);
+        if kernel.weight_type() == GgmlType::Q4_K && kernel.act_type() == GgmlType::Q8_K {
+            use super::avx512_q4_k::tile as q4_k;
+            return Some([q4_k::<8>, q4_k::<4>, q4_k::<1>]);
+        }
+        if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) {
+            return None;
+        }
         match kernel.weight_type() {
             GgmlType::Q4_0 => Some([tile::<Q4, 8>, tile::<Q4, 4>, tile::<Q4, 1>]),
             GgmlType::Q5_0 => Some([tile::<Q5, 8>, tile::<Q5, 4>, tile::<Q5, 1>]),
@@ -255,7 +265,7 @@ mod avx512 {
     /// ggml's `hsum_float_8`, in its order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    fn hsum_float_8(x: __m256) -> f32 {
+    pub(super) fn hsum_float_8(x: __m256) -> f32 {
         let mut r = _mm256_extractf128_ps::<1>(x);
         r = _mm_add_ps(r, _mm256_castps256_ps128(x));
         r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -266,7 +276,7 @@ mod avx512 {
     /// The upper eight lanes (avx512dq's `extractf32x8` through an avx512f one).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    fn high_half(x: __m512) -> __m256 {
+    pub(super) fn high_half(x: __m512) -> __m256 {
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)))
     }
 
@@ -429,15 +439,21 @@ mod tests {
             .collect()
     }
 
-    /// Blocks of random values under random finite fp16 scales (both signs, from subnormal
-    /// to large), so that every lane and scale path is exercised.
+    /// Blocks of random values (and Q4_K's packed sub-block scales and mins) under random
+    /// finite fp16 scales (both signs, from subnormal to large; Q4_K's d and dmin), so that
+    /// every lane and scale path is exercised.
     fn random_blocks(t: GgmlType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
         let bs = t.type_size();
-        let mut data = bytes(rows * k / 32 * bs, seed);
+        let fp16_fields = if t == GgmlType::Q4_K { 2 } else { 1 };
+        let mut data = bytes(rows * k / t.block_size() * bs, seed);
         for (i, block) in data.chunks_exact_mut(bs).enumerate() {
-            let exp = (i * 7 % 30) as u16; // below 31: never inf or NaN
-            let bits = ((i as u16 & 1) << 15) | (exp << 10) | ((i as u16).wrapping_mul(37) & 0x3ff);
-            block[..2].copy_from_slice(&bits.to_le_bytes());
+            for f in 0..fp16_fields {
+                let i = i * fp16_fields + f;
+                let exp = (i * 7 % 30) as u16; // below 31: never inf or NaN
+                let bits =
+                    ((i as u16 & 1) << 15) | (exp << 10) | ((i as u16).wrapping_mul(37) & 0x3ff);
+                block[2 * f..2 * f + 2].copy_from_slice(&bits.to_le_bytes());
+            }
         }
         data
     }
@@ -468,7 +484,7 @@ mod tests {
                     .map(|&b| b as f32 / 128.0 - 1.0)
                     .collect();
                 let mut weights = vec![quantize(t, &w, k, None).unwrap()];
-                if t.block_size() == 32 {
+                if t.block_size() == 32 || t == GgmlType::Q4_K {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
                 }
                 for w in &weights {
@@ -502,6 +518,7 @@ mod tile_tests {
             GgmlType::Q4_0,
             GgmlType::Q5_0,
             GgmlType::Q8_0,
+            GgmlType::Q4_K,
             GgmlType::Q6_K,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
@@ -566,7 +583,8 @@ mod dispatch_tests {
             (GgmlType::Q4_0, true),
             (GgmlType::Q5_0, true),
             (GgmlType::Q8_0, true),
-            (GgmlType::Q4_K, false),
+            (GgmlType::Q4_K, true),
+            (GgmlType::Q6_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");
