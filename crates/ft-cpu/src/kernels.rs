@@ -227,10 +227,14 @@ mod avx512 {
         if !usable {
             return [None; 3];
         }
-        if kernel.weight_type() == GgmlType::Q4_K && kernel.act_type() == GgmlType::Q8_K {
-            use super::avx512_k::tile as q4_k;
-            // One token: ggml's own row kernel is as fast (its scale unpacking is per row).
-            return [Some(q4_k::<8>), Some(q4_k::<4>), None];
+        if kernel.act_type() == GgmlType::Q8_K {
+            use super::avx512_k::{tile, Q4K, Q6K};
+            // One token: ggml's own row kernels are as fast (their scale unpacking is per row).
+            return match kernel.weight_type() {
+                GgmlType::Q4_K => [Some(tile::<Q4K, 8>), Some(tile::<Q4K, 4>), None],
+                GgmlType::Q6_K => [Some(tile::<Q6K, 8>), Some(tile::<Q6K, 4>), None],
+                _ => [None; 3],
+            };
         }
         if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) {
             return [None; 3];
@@ -440,20 +444,24 @@ mod tests {
             .collect()
     }
 
-    /// Blocks of random values (and Q4_K's packed sub-block scales and mins) under random
-    /// finite fp16 scales (both signs, from subnormal to large; Q4_K's d and dmin), so that
+    /// Blocks of random values (and K-quants' sub-block scales) under random finite fp16
+    /// scales (both signs, from subnormal to large; Q4_K's d and dmin, Q6_K's d), so that
     /// every lane and scale path is exercised.
-    fn random_blocks(t: GgmlType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+    pub(super) fn random_blocks(t: GgmlType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
         let bs = t.type_size();
-        let fp16_fields = if t == GgmlType::Q4_K { 2 } else { 1 };
+        let fp16_at: &[usize] = match t {
+            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q6_K => &[208],
+            _ => &[0],
+        };
         let mut data = bytes(rows * k / t.block_size() * bs, seed);
         for (i, block) in data.chunks_exact_mut(bs).enumerate() {
-            for f in 0..fp16_fields {
-                let i = i * fp16_fields + f;
+            for (f, &at) in fp16_at.iter().enumerate() {
+                let i = i * fp16_at.len() + f;
                 let exp = (i * 7 % 30) as u16; // below 31: never inf or NaN
                 let bits =
                     ((i as u16 & 1) << 15) | (exp << 10) | ((i as u16).wrapping_mul(37) & 0x3ff);
-                block[2 * f..2 * f + 2].copy_from_slice(&bits.to_le_bytes());
+                block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
             }
         }
         data
@@ -485,7 +493,7 @@ mod tests {
                     .map(|&b| b as f32 / 128.0 - 1.0)
                     .collect();
                 let mut weights = vec![quantize(t, &w, k, None).unwrap()];
-                if t.block_size() == 32 || t == GgmlType::Q4_K {
+                if t.block_size() == 32 || matches!(t, GgmlType::Q4_K | GgmlType::Q6_K) {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
                 }
                 for w in &weights {
@@ -509,9 +517,9 @@ mod tile_tests {
     use super::*;
     use freetoken_ggml::{quantize, GgmlType};
 
-    /// Every (token, row) of `dots` over many tokens is ggml's own dot product, bit for bit:
-    /// tiles of tokens, groups of rows and both kinds of tails; with two passes per token, the
-    /// two passes' products added.
+    /// Every (token, row) of `dots` over many tokens, on quantized and on random blocks, is
+    /// ggml's own dot product, bit for bit: tiles of tokens, groups of rows and both kinds of
+    /// tails; with two passes per token, the two passes' products added.
     #[test]
     fn tokens_times_rows_equal_ggml_bit_for_bit() {
         let k = 96;
@@ -529,8 +537,12 @@ mod tile_tests {
             let wf: Vec<f32> = (0..11 * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
                 .collect();
-            let w = quantize(t, &wf, k, None).unwrap();
-            for n_tok in [1, 3, 4, 7, 8, 9, 13, 19] {
+            let quantized = quantize(t, &wf, k, None).unwrap();
+            let random = super::tests::random_blocks(t, 11, k, 5);
+            for (w, n_tok) in [&quantized, &random]
+                .into_iter()
+                .flat_map(|w| [1, 3, 4, 7, 8, 9, 13, 19].map(|n| (w, n)))
+            {
                 let mut acts = vec![0u8; n_tok * ab];
                 for (tok, a) in acts.chunks_exact_mut(ab).enumerate() {
                     let x: Vec<f32> = (0..k)
@@ -585,7 +597,8 @@ mod dispatch_tests {
             (GgmlType::Q5_0, true),
             (GgmlType::Q8_0, true),
             (GgmlType::Q4_K, true),
-            (GgmlType::Q6_K, false),
+            (GgmlType::Q6_K, true),
+            (GgmlType::Q5_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group[1].is_some(), fast && available, "{t}");

@@ -1,12 +1,13 @@
-//! Four rows of Q4_K against one to eight Q8_K activation rows, bit-identical to ggml's AVX2
-//! `ggml_vec_dot_q4_K_q8_K` row by row.
+//! Four rows of Q4_K or Q6_K against one to eight Q8_K activation rows, bit-identical to
+//! ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` row by row.
 //!
-//! Per 256-value super-block ggml sums, exactly in int32, each sub-block's 6-bit scale times
-//! its 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every
-//! 32-value sub-block), converts the lanes to f32 and adds d_y * d_x times them to an f32
-//! accumulator with one fused multiply-add; the mins go through a second, four-lane
-//! accumulator (pairs of sub-blocks' min times the activation's sub-block sum, times
-//! -d_y * dmin_x). Here two rows share each 512-bit register and the weights' nibbles are
+//! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
+//! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
+//! run), converts the lanes to f32 and adds d_y * d_x times them to an f32 accumulator with
+//! one fused multiply-add. Q4_K's mins go through a second, four-lane accumulator (pairs of
+//! sub-blocks' min times the activation's sub-block sum, times -d_y * dmin_x); Q6_K's offset
+//! of 32 is taken off the int32 lanes first (32 x scale x the activation's 16-value sums,
+//! two sub-blocks a lane). Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -18,8 +19,17 @@ use std::arch::x86_64::*;
 /// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
 /// high ones).
 const Q4_K_BLOCK: usize = 144;
+/// Bytes of a Q6_K block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
+/// per 16 values), fp16 d.
+const Q6_K_BLOCK: usize = 210;
 /// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
 const Q8_K_BLOCK: usize = 292;
+/// Offset of a Q8_K block's sums.
+const Q8_K_SUMS: usize = 4 + 256;
+
+/// The weight types (const generic parameters).
+pub(super) const Q4K: u8 = 0;
+pub(super) const Q6K: u8 = 1;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -46,10 +56,10 @@ fn scales_and_mins(p: [u8; 12]) -> [u8; 16] {
 /// `TOK` activation rows through [`pass`] in runs of [`PASS_TOKENS`].
 ///
 /// # Safety
-/// `w` points at four rows of `row_bytes` bytes, each `blocks / 8` Q4_K blocks, `acts` at
-/// `TOK` rows of as many Q8_K blocks; the CPU has the enabled features.
+/// `w` points at four rows of `row_bytes` bytes, each `blocks / 8` blocks of the weight type
+/// (`KIND`), `acts` at `TOK` rows of as many Q8_K blocks; the CPU has the enabled features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-pub(super) unsafe fn tile<const TOK: usize>(
+pub(super) unsafe fn tile<const KIND: u8, const TOK: usize>(
     w: *const u8,
     row_bytes: usize,
     acts: &[*const u8],
@@ -64,26 +74,26 @@ pub(super) unsafe fn tile<const TOK: usize>(
         // SAFETY: forwarded, for a part of the rows.
         unsafe {
             match a.len() {
-                4 => pass::<4>(w, row_bytes, a, blocks / 8, o),
-                3 => pass::<3>(w, row_bytes, a, blocks / 8, o),
-                2 => pass::<2>(w, row_bytes, a, blocks / 8, o),
-                _ => pass::<1>(w, row_bytes, a, blocks / 8, o),
+                4 => pass::<KIND, 4>(w, row_bytes, a, blocks / 8, o),
+                3 => pass::<KIND, 3>(w, row_bytes, a, blocks / 8, o),
+                2 => pass::<KIND, 2>(w, row_bytes, a, blocks / 8, o),
+                _ => pass::<KIND, 1>(w, row_bytes, a, blocks / 8, o),
             }
         }
     }
 }
 
 /// # Safety
-/// As [`tile`], `T` activation rows and `supers` Q4_K blocks per row.
+/// As [`tile`], `T` activation rows and `supers` blocks per row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-unsafe fn pass<const T: usize>(
+unsafe fn pass<const KIND: u8, const T: usize>(
     w: *const u8,
     row_bytes: usize,
     acts: &[*const u8],
     supers: usize,
     out: &mut [[f32; GROUP]],
 ) {
-    let m4 = _mm512_set1_epi8(0x0f);
+    let block = if KIND == Q4K { Q4_K_BLOCK } else { Q6_K_BLOCK };
     // Per row pair, the lanes of each row's scale: row 0 (2) low, row 1 (3) high.
     let lanes01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let lanes23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -96,70 +106,22 @@ unsafe fn pass<const T: usize>(
         // SAFETY: block b of each weight and activation row is in bounds (b < supers), per
         // the contract.
         unsafe {
-            let x = [0, 1, 2, 3].map(|r| w.add(r * row_bytes + b * Q4_K_BLOCK));
-            let ahead = next.wrapping_add(b * GROUP * Q4_K_BLOCK);
-            for line in 0..(GROUP * Q4_K_BLOCK).div_ceil(64) {
+            let x = [0, 1, 2, 3].map(|r| w.add(r * row_bytes + b * block));
+            let ahead = next.wrapping_add(b * GROUP * block);
+            for line in 0..(GROUP * block).div_ceil(64) {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
             }
-            let sm = x.map(|x| scales_and_mins(x.add(4).cast::<[u8; 12]>().read_unaligned()));
-            let h = |p: *const u8, o: usize| p.add(o).cast::<i16>().read_unaligned();
-            // d and dmin of rows 0..4 as f32.
-            let xd = _mm256_cvtph_ps(_mm_set_epi16(
-                h(x[3], 2),
-                h(x[2], 2),
-                h(x[1], 2),
-                h(x[0], 2),
-                h(x[3], 0),
-                h(x[2], 0),
-                h(x[1], 0),
-                h(x[0], 0),
-            ));
-            let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
-            // The four rows' mins as int16, row r in the r-th 128 bits.
-            let mins = _mm512_cvtepu8_epi16(_mm256_set_m128i(
-                _mm_set_epi64x(
-                    i64::from_le_bytes(sm[3][8..].try_into().expect("8 bytes")),
-                    i64::from_le_bytes(sm[2][8..].try_into().expect("8 bytes")),
-                ),
-                _mm_set_epi64x(
-                    i64::from_le_bytes(sm[1][8..].try_into().expect("8 bytes")),
-                    i64::from_le_bytes(sm[0][8..].try_into().expect("8 bytes")),
-                ),
-            ));
+            let y: [*const u8; T] = std::array::from_fn(|t| acts[t].add(b * Q8_K_BLOCK));
             let mut sumi = [[_mm512_setzero_si512(); 2]; T];
-            for j in 0..4 {
-                for (p, rows) in [(0, [0, 1]), (1, [2, 3])] {
-                    let [ra, rb] = rows;
-                    let q = _mm512_inserti64x4::<1>(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(x[ra].add(16 + 32 * j).cast())),
-                        _mm256_loadu_si256(x[rb].add(16 + 32 * j).cast()),
-                    );
-                    let lo = _mm512_and_si512(q, m4);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-                    let scale = |s: usize| {
-                        _mm512_mask_blend_epi16(
-                            0xffff_0000,
-                            _mm512_set1_epi16(i16::from(sm[ra][s])),
-                            _mm512_set1_epi16(i16::from(sm[rb][s])),
-                        )
-                    };
-                    let (sl, sh) = (scale(2 * j), scale(2 * j + 1));
-                    for (s, y) in sumi.iter_mut().zip(acts) {
-                        let y = y.add(b * Q8_K_BLOCK + 4 + 64 * j);
-                        let yl = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.cast()));
-                        let yh = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(32).cast()));
-                        let pl = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, yl));
-                        let ph = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, yh));
-                        s[p] = _mm512_add_epi32(s[p], _mm512_add_epi32(pl, ph));
-                    }
-                }
-            }
-            for (t, y) in acts.iter().enumerate() {
-                let y = y.add(b * Q8_K_BLOCK);
+            let xd = if KIND == Q4K {
+                q4_k_sums(x, &y, &mut sumi, &mut acc_m, lanes_m)
+            } else {
+                q6_k_sums(x, &y, &mut sumi)
+            };
+            for (t, y) in y.iter().enumerate() {
                 let yd = y.cast::<f32>().read_unaligned();
-                // d_y * d_x and -d_y * dmin_x per row, as ggml's f32 products.
+                // d_y * d_x per row, as ggml's f32 product.
                 let d = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(yd), xd));
-                let dmin = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(-yd), xdmin));
                 let [s01, s23] = sumi[t];
                 acc[t][0] = _mm512_fmadd_ps(
                     _mm512_permutexvar_ps(lanes01, d),
@@ -171,19 +133,6 @@ unsafe fn pass<const T: usize>(
                     _mm512_cvtepi32_ps(s23),
                     acc[t][1],
                 );
-                // The sums of each 32-value sub-block (ggml's hadd of the 16-value sums),
-                // against every row's mins.
-                let bsums = _mm256_loadu_si256(y.add(4 + 256).cast());
-                let q8s = _mm_hadd_epi16(
-                    _mm256_castsi256_si128(bsums),
-                    _mm256_extracti128_si256::<1>(bsums),
-                );
-                let prod = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(q8s));
-                acc_m[t] = _mm512_fmadd_ps(
-                    _mm512_permutexvar_ps(lanes_m, dmin),
-                    _mm512_cvtepi32_ps(prod),
-                    acc_m[t],
-                );
             }
         }
     }
@@ -194,6 +143,10 @@ unsafe fn pass<const T: usize>(
             hsum_float_8(_mm512_castps512_ps256(a23)),
             hsum_float_8(high_half(a23)),
         ];
+        if KIND != Q4K {
+            *o = sums;
+            continue;
+        }
         let m = [
             _mm512_extractf32x4_ps::<0>(m),
             _mm512_extractf32x4_ps::<1>(m),
@@ -206,5 +159,183 @@ unsafe fn pass<const T: usize>(
             let m = _mm_add_ss(m, _mm_movehdup_ps(m));
             *o = s + _mm_cvtss_f32(m);
         }
+    }
+}
+
+/// A Q4_K block of four rows (`x`) against `T` Q8_K blocks (`y`): the scaled lane sums into
+/// `sumi`, the mins' share into `acc_m`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn q4_k_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+    acc_m: &mut [__m512; T],
+    lanes_m: __m512i,
+) -> __m128 {
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0f);
+        let sm = x.map(|x| scales_and_mins(x.add(4).cast::<[u8; 12]>().read_unaligned()));
+        let h = |p: *const u8, o: usize| p.add(o).cast::<i16>().read_unaligned();
+        // d and dmin of rows 0..4 as f32.
+        let xd = _mm256_cvtph_ps(_mm_set_epi16(
+            h(x[3], 2),
+            h(x[2], 2),
+            h(x[1], 2),
+            h(x[0], 2),
+            h(x[3], 0),
+            h(x[2], 0),
+            h(x[1], 0),
+            h(x[0], 0),
+        ));
+        let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
+        // The four rows' mins as int16, row r in the r-th 128 bits.
+        let half = |r: usize| i64::from_le_bytes(sm[r][8..].try_into().expect("8 bytes"));
+        let mins = _mm512_cvtepu8_epi16(_mm256_set_m128i(
+            _mm_set_epi64x(half(3), half(2)),
+            _mm_set_epi64x(half(1), half(0)),
+        ));
+        for j in 0..4 {
+            for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+                let q = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(x[ra].add(16 + 32 * j).cast())),
+                    _mm256_loadu_si256(x[rb].add(16 + 32 * j).cast()),
+                );
+                let lo = _mm512_and_si512(q, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
+                let scale = |s: usize| {
+                    _mm512_mask_blend_epi16(
+                        0xffff_0000,
+                        _mm512_set1_epi16(i16::from(sm[ra][s])),
+                        _mm512_set1_epi16(i16::from(sm[rb][s])),
+                    )
+                };
+                let (sl, sh) = (scale(2 * j), scale(2 * j + 1));
+                for (s, y) in sumi.iter_mut().zip(y) {
+                    let y = y.add(4 + 64 * j);
+                    let yl = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.cast()));
+                    let yh = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(32).cast()));
+                    let pl = _mm512_madd_epi16(sl, _mm512_maddubs_epi16(lo, yl));
+                    let ph = _mm512_madd_epi16(sh, _mm512_maddubs_epi16(hi, yh));
+                    s[p] = _mm512_add_epi32(s[p], _mm512_add_epi32(pl, ph));
+                }
+            }
+        }
+        for (acc_m, y) in acc_m.iter_mut().zip(y) {
+            let yd = y.cast::<f32>().read_unaligned();
+            // -d_y * dmin_x per row, as ggml's f32 product.
+            let dmin = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(-yd), xdmin));
+            // The sums of each 32-value sub-block (ggml's hadd of the 16-value sums), against
+            // every row's mins.
+            let bsums = _mm256_loadu_si256(y.add(Q8_K_SUMS).cast());
+            let q8s = _mm_hadd_epi16(
+                _mm256_castsi256_si128(bsums),
+                _mm256_extracti128_si256::<1>(bsums),
+            );
+            let prod = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(q8s));
+            *acc_m = _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(lanes_m, dmin),
+                _mm512_cvtepi32_ps(prod),
+                *acc_m,
+            );
+        }
+        xd
+    }
+}
+
+/// A Q6_K block of four rows (`x`) against `T` Q8_K blocks (`y`): the scaled lane sums,
+/// less the offset's share, into `sumi`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn q6_k_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+) -> __m128 {
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let (m15, m3) = (_mm512_set1_epi8(15), _mm512_set1_epi8(3));
+        let h = |p: *const u8| p.add(208).cast::<i16>().read_unaligned();
+        let xd = _mm_cvtph_ps(_mm_set_epi16(
+            0,
+            0,
+            0,
+            0,
+            h(x[3]),
+            h(x[2]),
+            h(x[1]),
+            h(x[0]),
+        ));
+        let pair = |a: *const u8, b: *const u8| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                _mm256_loadu_si256(b.cast()),
+            )
+        };
+        // Per row pair, its two rows' 16 scales as int16 (row a low, row b high); the scale
+        // vector of 32-value run m is [a[2m] x 8, a[2m + 1] x 8, b[2m] x 8, b[2m + 1] x 8].
+        let scales = [[0, 1], [2, 3]].map(|[ra, rb]| {
+            _mm512_cvtepi8_epi16(_mm256_set_m128i(
+                _mm_loadu_si128(x[rb].add(192).cast()),
+                _mm_loadu_si128(x[ra].add(192).cast()),
+            ))
+        });
+        let base = _mm512_set_epi16(
+            17, 17, 17, 17, 17, 17, 17, 17, 16, 16, 16, 16, 16, 16, 16, 16, 1, 1, 1, 1, 1, 1, 1, 1,
+            0, 0, 0, 0, 0, 0, 0, 0,
+        );
+        for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+            // 32 x (the activation's 16-value sums . the row's scales), two a lane, as
+            // ggml's madd and shift.
+            for (s, y) in sumi[..].iter_mut().zip(y) {
+                let bsums = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(Q8_K_SUMS).cast()));
+                let sub = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bsums, scales[p]));
+                s[p] = _mm512_sub_epi32(s[p], sub);
+            }
+            for j in 0..2 {
+                let q1 = pair(x[ra].add(64 * j), x[rb].add(64 * j));
+                let q2 = pair(x[ra].add(64 * j + 32), x[rb].add(64 * j + 32));
+                let qh = pair(x[ra].add(128 + 32 * j), x[rb].add(128 + 32 * j));
+                // The four 32-value runs of these 128 values: low bits | high bits << 4.
+                let q = [
+                    _mm512_or_si512(
+                        _mm512_and_si512(q1, m15),
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(qh, m3)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(q2, m15),
+                        _mm512_slli_epi16::<2>(_mm512_and_si512(qh, _mm512_set1_epi8(12))),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(q1), m15),
+                        _mm512_and_si512(qh, _mm512_set1_epi8(48)),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(q2), m15),
+                        _mm512_srli_epi16::<2>(_mm512_and_si512(qh, _mm512_set1_epi8(-64))),
+                    ),
+                ];
+                for (k, q) in q.into_iter().enumerate() {
+                    let m = (4 * j + k) as i16;
+                    let idx = _mm512_add_epi16(base, _mm512_set1_epi16(2 * m));
+                    let sc = _mm512_permutexvar_epi16(idx, scales[p]);
+                    for (s, y) in sumi[..].iter_mut().zip(y) {
+                        let yq = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            y.add(4 + 128 * j + 32 * k).cast(),
+                        ));
+                        let v = _mm512_madd_epi16(sc, _mm512_maddubs_epi16(q, yq));
+                        s[p] = _mm512_add_epi32(s[p], v);
+                    }
+                }
+            }
+        }
+        xd
     }
 }
