@@ -51,9 +51,8 @@ type GroupFn = unsafe fn(
 #[derive(Clone, Copy)]
 pub(crate) struct RowDots {
     kernel: VecDot,
-    /// The group kernels for each of [`TILES`], where this CPU and type have them (tokens
-    /// left over go through the one-token kernel, else ggml's row by row).
-    group: [Option<GroupFn>; 3],
+    /// The group kernels for each of [`TILES`], where this CPU and type have them.
+    group: Option<[GroupFn; 3]>,
 }
 
 impl RowDots {
@@ -61,7 +60,7 @@ impl RowDots {
         #[cfg(target_arch = "x86_64")]
         let group = avx512::group_fns(&kernel);
         #[cfg(not(target_arch = "x86_64"))]
-        let group = [None; 3];
+        let group = None;
         RowDots { kernel, group }
     }
 
@@ -96,11 +95,16 @@ impl RowDots {
                     o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
                 }
             };
+            let Some(fns) = self.group else {
+                for t in 0..acts.len() {
+                    self.put_rows(w, pass(t), |r0, v| put(t, r0, v));
+                }
+                continue;
+            };
             let blocks = self.kernel.k() / 32;
             let whole = n / GROUP * GROUP;
             let mut t0 = 0;
-            for (size, f) in TILES.into_iter().zip(self.group) {
-                let Some(f) = f else { continue };
+            for (size, f) in TILES.into_iter().zip(fns) {
                 while t0 + size <= acts.len() {
                     let a: [*const u8; TILES[0]] =
                         std::array::from_fn(|t| pass(t0 + t.min(size - 1)).as_ptr());
@@ -128,9 +132,6 @@ impl RowDots {
                     t0 += size;
                 }
             }
-            for t in t0..acts.len() {
-                self.put_rows(w, pass(t), |r0, v| put(t, r0, v));
-            }
         }
     }
 
@@ -156,8 +157,8 @@ impl RowDots {
             out.len()
         );
         let mut done = 0;
-        if let Some(one) = self.group[TILES.len() - 1] {
-            let blocks = self.kernel.k() / 32;
+        if let Some(fns) = self.group {
+            let (blocks, one) = (self.kernel.k() / 32, fns[TILES.len() - 1]);
             for (o, rows) in out.chunks_exact_mut(GROUP).zip(w.chunks_exact(GROUP * rb)) {
                 let mut r = [[0f32; GROUP]];
                 // SAFETY: `rows` holds GROUP rows of `rb` bytes and `act` one activation row
@@ -212,7 +213,7 @@ mod avx512 {
 
     /// The group kernels (for each of [`TILES`]) for `kernel`'s types on this CPU, if there
     /// are.
-    pub(super) fn group_fns(kernel: &VecDot) -> [Option<GroupFn>; 3] {
+    pub(super) fn group_fns(kernel: &VecDot) -> Option<[GroupFn; 3]> {
         static USABLE: OnceLock<bool> = OnceLock::new();
         let usable = *USABLE.get_or_init(|| {
             freetoken_ggml::cpu_has_avx2()
@@ -225,27 +226,22 @@ mod avx512 {
         });
         const _: () = assert!(TILES[0] == 8 && TILES[1] == 4 && TILES[2] == 1);
         if !usable {
-            return [None; 3];
+            return None;
         }
-        if kernel.act_type() == GgmlType::Q8_K {
-            use super::avx512_k::{tile, Q4K, Q6K};
-            // One token: ggml's own row kernels are as fast (their scale unpacking is per row).
-            return match kernel.weight_type() {
-                GgmlType::Q4_K => [Some(tile::<Q4K, 8>), Some(tile::<Q4K, 4>), None],
-                GgmlType::Q6_K => [Some(tile::<Q6K, 8>), Some(tile::<Q6K, 4>), None],
-                _ => [None; 3],
-            };
+        use super::avx512_k::{tile as k_tile, Q4K, Q6K};
+        match (kernel.weight_type(), kernel.act_type()) {
+            (GgmlType::Q4_K, GgmlType::Q8_K) => {
+                Some([k_tile::<Q4K, 8>, k_tile::<Q4K, 4>, k_tile::<Q4K, 1>])
+            }
+            (GgmlType::Q6_K, GgmlType::Q8_K) => {
+                Some([k_tile::<Q6K, 8>, k_tile::<Q6K, 4>, k_tile::<Q6K, 1>])
+            }
+            _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
+            (GgmlType::Q4_0, _) => Some([tile::<Q4, 8>, tile::<Q4, 4>, tile::<Q4, 1>]),
+            (GgmlType::Q5_0, _) => Some([tile::<Q5, 8>, tile::<Q5, 4>, tile::<Q5, 1>]),
+            (GgmlType::Q8_0, _) => Some([tile::<Q8, 8>, tile::<Q8, 4>, tile::<Q8, 1>]),
+            _ => None,
         }
-        if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) {
-            return [None; 3];
-        }
-        let fns: [GroupFn; 3] = match kernel.weight_type() {
-            GgmlType::Q4_0 => [tile::<Q4, 8>, tile::<Q4, 4>, tile::<Q4, 1>],
-            GgmlType::Q5_0 => [tile::<Q5, 8>, tile::<Q5, 4>, tile::<Q5, 1>],
-            GgmlType::Q8_0 => [tile::<Q8, 8>, tile::<Q8, 4>, tile::<Q8, 1>],
-            _ => return [None; 3],
-        };
-        fns.map(Some)
     }
 
     /// # Safety
@@ -474,6 +470,7 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q4_K,
             GgmlType::Q5_0,
+            GgmlType::Q6_K,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -601,7 +598,7 @@ mod dispatch_tests {
             (GgmlType::Q5_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
-            assert_eq!(dots.group[1].is_some(), fast && available, "{t}");
+            assert_eq!(dots.group.is_some(), fast && available, "{t}");
         }
     }
 }

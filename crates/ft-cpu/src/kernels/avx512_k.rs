@@ -199,6 +199,24 @@ unsafe fn q4_k_sums<const T: usize>(
             _mm_set_epi64x(half(3), half(2)),
             _mm_set_epi64x(half(1), half(0)),
         ));
+        // Per row pair, both rows' scales (and mins) as int16: row a low, row b high; the
+        // scale vector of sub-block s is [a[s] x 16, b[s] x 16].
+        let both = [[0, 1], [2, 3]].map(|[ra, rb]| {
+            _mm512_cvtepu8_epi16(_mm256_set_m128i(
+                _mm_loadu_si128(sm[rb].as_ptr().cast()),
+                _mm_loadu_si128(sm[ra].as_ptr().cast()),
+            ))
+        });
+        let base = _mm512_set_epi64(
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0,
+            0,
+            0,
+            0,
+        );
         for j in 0..4 {
             for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
                 let q = _mm512_inserti64x4::<1>(
@@ -207,14 +225,11 @@ unsafe fn q4_k_sums<const T: usize>(
                 );
                 let lo = _mm512_and_si512(q, m4);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
-                let scale = |s: usize| {
-                    _mm512_mask_blend_epi16(
-                        0xffff_0000,
-                        _mm512_set1_epi16(i16::from(sm[ra][s])),
-                        _mm512_set1_epi16(i16::from(sm[rb][s])),
-                    )
+                let scale = |s: i16| {
+                    let idx = _mm512_add_epi16(base, _mm512_set1_epi16(s));
+                    _mm512_permutexvar_epi16(idx, both[p])
                 };
-                let (sl, sh) = (scale(2 * j), scale(2 * j + 1));
+                let (sl, sh) = (scale(2 * j as i16), scale(2 * j as i16 + 1));
                 for (s, y) in sumi.iter_mut().zip(y) {
                     let y = y.add(4 + 64 * j);
                     let yl = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.cast()));
