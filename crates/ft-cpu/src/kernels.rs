@@ -266,7 +266,7 @@ mod avx512 {
     /// ggml's `hsum_float_8`, in its order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    pub(super) fn hsum_float_8(x: __m256) -> f32 {
+    fn hsum_float_8(x: __m256) -> f32 {
         let mut r = _mm256_extractf128_ps::<1>(x);
         r = _mm_add_ps(r, _mm256_castps256_ps128(x));
         r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -277,7 +277,7 @@ mod avx512 {
     /// The upper eight lanes (avx512dq's `extractf32x8` through an avx512f one).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    pub(super) fn high_half(x: __m512) -> __m256 {
+    fn high_half(x: __m512) -> __m256 {
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x)))
     }
 
@@ -352,9 +352,6 @@ mod avx512 {
     ) -> [[f32; GROUP]; TOK] {
         let (block, offset) = layout(KIND);
         let offset = _mm512_set1_epi8(offset);
-        // Per row pair, the scale lanes: row 0 (2) in the low eight, row 1 (3) in the high.
-        let lanes01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        let lanes23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
         let mut acc = [[_mm512_setzero_ps(); 2]; TOK];
         // Four rows read side by side are four short streams that the hardware prefetcher
         // does not follow (5.8 GB/s from DRAM on one thread, against 16 row by row), so the
@@ -399,27 +396,38 @@ mod avx512 {
                     let dd = _mm512_castps128_ps512(_mm_mul_ps(dw, da));
                     let s01 = _mm512_dpbusd_epi32(start, p01, ya);
                     let s23 = _mm512_dpbusd_epi32(start, p23, ya);
-                    acc[0] = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(lanes01, dd),
-                        _mm512_cvtepi32_ps(s01),
-                        acc[0],
-                    );
-                    acc[1] = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(lanes23, dd),
-                        _mm512_cvtepi32_ps(s23),
-                        acc[1],
-                    );
+                    scaled_add(dd, [s01, s23], acc);
                 }
             }
         }
-        acc.map(|[a01, a23]| {
-            [
-                hsum_float_8(_mm512_castps512_ps256(a01)),
-                hsum_float_8(high_half(a01)),
-                hsum_float_8(_mm512_castps512_ps256(a23)),
-                hsum_float_8(high_half(a23)),
-            ]
-        })
+        acc.map(|a| row_sums(a))
+    }
+
+    /// `acc[p] += d * s[p]` per lane with one fused multiply-add, for the row pairs (0, 1) and
+    /// (2, 3): `d` holds the four rows' scales in lanes 0..4, `s` each pair's int32 lane sums,
+    /// row 2p in the low eight lanes and 2p + 1 in the high ones.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    pub(super) fn scaled_add(d: __m512, s: [__m512i; 2], acc: &mut [__m512; 2]) {
+        let lanes = [
+            _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+            _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
+        ];
+        for ((acc, s), lanes) in acc.iter_mut().zip(s).zip(lanes) {
+            *acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, d), _mm512_cvtepi32_ps(s), *acc);
+        }
+    }
+
+    /// The four rows' sums of [`scaled_add`]'s accumulators, each ggml's `hsum_float_8`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    pub(super) fn row_sums([a01, a23]: [__m512; 2]) -> [f32; GROUP] {
+        [
+            hsum_float_8(_mm512_castps512_ps256(a01)),
+            hsum_float_8(high_half(a01)),
+            hsum_float_8(_mm512_castps512_ps256(a23)),
+            hsum_float_8(high_half(a23)),
+        ]
     }
 }
 

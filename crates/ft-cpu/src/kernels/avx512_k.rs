@@ -11,7 +11,7 @@
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
-use super::avx512::{high_half, hsum_float_8, PREFETCH_ROWS};
+use super::avx512::{row_sums, scaled_add, PREFETCH_ROWS};
 use super::GROUP;
 use std::arch::x86_64::*;
 
@@ -94,9 +94,6 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     out: &mut [[f32; GROUP]],
 ) {
     let block = if KIND == Q4K { Q4_K_BLOCK } else { Q6_K_BLOCK };
-    // Per row pair, the lanes of each row's scale: row 0 (2) low, row 1 (3) high.
-    let lanes01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let lanes23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
     // Row r's four min lanes are 4r..4r+4.
     let lanes_m = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); 2]; T];
@@ -122,27 +119,12 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 let yd = y.cast::<f32>().read_unaligned();
                 // d_y * d_x per row, as ggml's f32 product.
                 let d = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(yd), xd));
-                let [s01, s23] = sumi[t];
-                acc[t][0] = _mm512_fmadd_ps(
-                    _mm512_permutexvar_ps(lanes01, d),
-                    _mm512_cvtepi32_ps(s01),
-                    acc[t][0],
-                );
-                acc[t][1] = _mm512_fmadd_ps(
-                    _mm512_permutexvar_ps(lanes23, d),
-                    _mm512_cvtepi32_ps(s23),
-                    acc[t][1],
-                );
+                scaled_add(d, sumi[t], &mut acc[t]);
             }
         }
     }
-    for ((o, [a01, a23]), m) in out.iter_mut().zip(acc).zip(acc_m) {
-        let sums = [
-            hsum_float_8(_mm512_castps512_ps256(a01)),
-            hsum_float_8(high_half(a01)),
-            hsum_float_8(_mm512_castps512_ps256(a23)),
-            hsum_float_8(high_half(a23)),
-        ];
+    for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
+        let sums = row_sums(acc);
         if KIND != Q4K {
             *o = sums;
             continue;
