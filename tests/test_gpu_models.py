@@ -161,6 +161,37 @@ def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> Non
         _check("qwen3moe", f"decode after a longer prompt {prompt!r}", ref, np.stack(out))
 
 
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
+def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[str, Path]) -> None:
+    """Decode steps of several sequences at once, one token each (the server's continuous
+    batching), replayed as one CUDA graph per set of sequences: each sequence's logits match
+    the CPU's. The second sequence joins five steps late and the first ends first, so the
+    batch goes 1 -> 2 -> 1 sequences (three graphs)."""
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, "quant")
+    model = llm.model
+    assert model.graphs is not None
+    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
+    caches = [model.new_cache(len(s)) for s in seqs]
+    outs = [
+        [model.forward(s[: f + 1], c).numpy()] for s, f, c in zip(seqs, firsts, caches, strict=True)
+    ]
+    nxt = [f + 1 for f in firsts]
+    joins = [0, 5]
+    step = 0
+    while live := [i for i, s in enumerate(seqs) if step >= joins[i] and nxt[i] < len(s) - 1]:
+        rows = model.forward_batch([([seqs[i][nxt[i]]], caches[i]) for i in live])
+        for i, row in zip(live, rows, strict=True):
+            outs[i].append(row.numpy())
+            nxt[i] += 1
+        step += 1
+    assert any(len(key[0]) == 2 for key in model.graphs.graphs), "no two-sequence graph ran"
+    for prompt, ref, out in zip(PROMPTS, refs, outs, strict=True):
+        _check(name, f"{strategy} batched decode {prompt!r}", ref, np.stack(out))
+
+
 def test_bf16_dense_weights(model_files: dict[str, Path]) -> None:
     path = model_files["qwen3moe"]
     seqs, refs = _cpu_runs(path)

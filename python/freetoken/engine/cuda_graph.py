@@ -1,16 +1,19 @@
 """Decode steps replayed as CUDA graphs.
 
-A decode step of one sequence runs hundreds of small kernels (norms, RoPE, attention, the
-dense products, routing, one MoE launch per layer); launched one by one from Python they cost
-far more than their work. :class:`GraphDecoder` captures the whole step (``Transformer.run``)
-once per KV-cache length bucket and replays it: the token and its position are copied into
-static input tensors, attention reads a fixed number of cached positions (the bucket) and
-masks the ones past the token.
+A decode step runs hundreds of small kernels (norms, RoPE, attention, the dense products,
+routing, one MoE launch per layer); launched one by one from Python they cost far more than
+their work. :class:`GraphDecoder` captures the whole step (``Transformer.run``) once per set of
+sequences (their KV caches) and cache-length buckets, and replays it: the tokens and their
+positions are copied into static input tensors, attention reads a fixed number of cached
+positions per sequence (the bucket) and masks the ones past the token. A step of several
+sequences, one token each (the server's continuous batching), is one graph too.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,60 +22,108 @@ if TYPE_CHECKING:
     from freetoken.engine.kv_cache import KVCache
     from freetoken.models.transformer import Transformer
 
-__all__ = ["GraphDecoder"]
+__all__ = ["MAX_BATCH", "GraphDecoder"]
 
 #: Cached positions per bucket: a step attends over the next multiple of this.
 BUCKET = 256
+#: Most sequences a captured step takes (larger batches run eagerly).
+MAX_BATCH = 16
+#: Graphs kept, least recently used dropped first: each holds its batch's caches' addresses
+#: and a share of the graph memory pool.
+MAX_GRAPHS = 32
+
+
+_Key = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _Entry:
+    """A captured step: its graph, its logits output, and the caches it was captured on
+    (weakly: a graph must never replay on a cache that is gone, and goes with it)."""
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        logits: torch.Tensor,
+        caches: Sequence[KVCache],
+        drop: Callable[[object], None],
+    ) -> None:
+        self.graph, self.logits = graph, logits
+        self.refs = [weakref.ref(c, drop) for c in caches]
+
+    def serves(self, caches: Sequence[KVCache]) -> bool:
+        return all(r() is c for r, c in zip(self.refs, caches, strict=True))
 
 
 class GraphDecoder:
-    """One-token steps of ``model`` (on a CUDA device) as CUDA graphs, per cache and bucket."""
+    """Decode steps of ``model`` (on a CUDA device), one token per sequence for up to
+    :data:`MAX_BATCH` sequences, as CUDA graphs per set of caches and buckets."""
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
-        dev = model.device
-        self.token = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
         # Our MoE launches run on torch's current stream; warm-up and capture share one side
         # stream, so ggml-cuda's per-stream scratch is allocated before capture starts.
-        self.stream = torch.cuda.Stream(dev)
+        self.stream = torch.cuda.Stream(model.device)
         self.mempool = torch.cuda.graph_pool_handle()
-        # Per cache (dropped with it: a graph holds its tensors' addresses), per bucket.
-        self.graphs: weakref.WeakKeyDictionary[
-            KVCache, dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
-        ] = weakref.WeakKeyDictionary()
+        # Static inputs per batch size: token ids and positions.
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: OrderedDict[_Key, _Entry] = OrderedDict()
 
-    def _forward(self, cache: KVCache, n_keys: int) -> torch.Tensor:
+    def _static(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n not in self.inputs:
+            dev = self.model.device
+            zeros = torch.zeros(n, dtype=torch.int64, device=dev)
+            self.inputs[n] = (zeros, zeros.clone())
+        return self.inputs[n]
+
+    def _forward(self, caches: Sequence[KVCache], n_keys: Sequence[int]) -> torch.Tensor:
         from freetoken.models.transformer import Span, Step
 
-        step = Step(self.pos, [Span(self.pos, 1, cache, n_keys)])
-        return self.model.run(self.token, step, None)[0]
+        tokens, pos = self._static(len(caches))
+        spans = [
+            Span(pos[i : i + 1], 1, c, nk)
+            for i, (c, nk) in enumerate(zip(caches, n_keys, strict=True))
+        ]
+        return self.model.run(tokens, Step(pos, spans), None)
 
-    def _capture(self, cache: KVCache, n_keys: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: _Key, caches: Sequence[KVCache], n_keys: Sequence[int]) -> _Entry:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):
-                self._forward(cache, n_keys)
+                self._forward(caches, n_keys)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, stream=self.stream):
-            logits = self._forward(cache, n_keys)
+            logits = self._forward(caches, n_keys)
         torch.cuda.current_stream().wait_stream(self.stream)
-        return graph, logits
+        decoder = weakref.ref(self)
+
+        def drop(_: object) -> None:
+            live = decoder()
+            if live is not None:
+                live.graphs.pop(key, None)
+
+        return _Entry(graph, logits, caches, drop)
 
     @torch.inference_mode()
-    def step(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Runs ``token`` at the cache's next position; returns its float32 logits (on the
-        device). The caller has checked the token id."""
-        start = cache.reserve(1)
-        n_keys = min(cache.n_ctx, (start // BUCKET + 1) * BUCKET)
-        self.token.fill_(token)
-        self.pos.fill_(start)
-        graphs = self.graphs.setdefault(cache, {})
-        entry = graphs.get(n_keys)
-        if entry is None:
-            # The warm-up passes write this position's keys too: the replay rewrites them.
-            entry = graphs[n_keys] = self._capture(cache, n_keys)
-        graph, logits = entry
-        graph.replay()
-        cache.commit(1)
-        return logits
+    def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """Runs ``tokens[i]`` at the next position of ``caches[i]`` (distinct caches, at most
+        :data:`MAX_BATCH`); returns their float32 logits ``[n, vocab]`` (on the device, valid
+        until the next step). The caller has checked the token ids."""
+        starts = [c.reserve(1) for c in caches]
+        n_keys = tuple(
+            min(c.n_ctx, (s // BUCKET + 1) * BUCKET) for c, s in zip(caches, starts, strict=True)
+        )
+        tok, pos = self._static(len(caches))
+        tok.copy_(torch.tensor(tokens, dtype=torch.int64))
+        pos.copy_(torch.tensor(starts, dtype=torch.int64))
+        key = (tuple(id(c) for c in caches), n_keys)
+        entry = self.graphs.get(key)
+        if entry is None or not entry.serves(caches):
+            # The warm-up passes write these positions' keys too: the replay rewrites them.
+            entry = self.graphs[key] = self._capture(key, caches, n_keys)
+            while len(self.graphs) > MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        entry.graph.replay()
+        for c in caches:
+            c.commit(1)
+        return entry.logits

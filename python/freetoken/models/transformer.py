@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from freetoken.engine.cuda_graph import GraphDecoder
+from freetoken.engine.cuda_graph import MAX_BATCH, GraphDecoder
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.moe import MoeContext
 from freetoken.errors import GGUFError, InvalidInputError
@@ -370,8 +370,14 @@ class Transformer:
         self, ids: torch.Tensor, flat: list[int], spans: list[Span], all_logits: bool
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
-        if self.graphs is not None and len(flat) == 1:
-            return [self.graphs.step(flat[0], spans[0].cache).cpu()]
+        caches = [sp.cache for sp in spans]
+        if (
+            self.graphs is not None
+            and len(flat) == len(spans) <= MAX_BATCH
+            and len({id(c) for c in caches}) == len(caches)
+        ):
+            # One token per sequence: a captured decode step.
+            return list(self.graphs.step(flat, caches).cpu().unbind(0))
         dev = self.device
         pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
         ends = None
