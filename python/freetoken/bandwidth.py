@@ -215,7 +215,9 @@ def load_bandwidth_profile(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench-bw`` subcommand's flags."""
     p.add_argument("-m", "--model", required=True, help="GGUF model path (a MoE model)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU expert threads")
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="CPU expert threads (default: as hybrid)"
+    )
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="md table or JSON")
     p.add_argument(
         "--seconds", type=float, default=2.0, help="duration of each measurement (default 2)"

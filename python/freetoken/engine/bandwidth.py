@@ -441,9 +441,10 @@ def measure_kind(
 def measure_model(
     path: str | os.PathLike[str], threads: int | None, seconds: float
 ) -> dict[str, Any]:
-    """Loads the model (experts on the CPU executor, ``threads`` threads) and measures each
-    layer kind for ``seconds`` per measurement: ``{"host_threads", "gpu": {available, name,
-    detail}, "kinds": {kind key: entry}}``."""
+    """Loads the model (experts on the CPU executor, ``threads`` threads; default: as many as
+    hybrid uses beside the GPU) and measures each layer kind for ``seconds`` per measurement:
+    ``{"host_threads", "gpu": {available, name, detail}, "kinds": {kind key: entry}}``."""
+    from freetoken.engine.moe import default_threads
     from freetoken.gguf import GGUFFile
     from freetoken.models import load_model
 
@@ -451,11 +452,12 @@ def measure_model(
         raise InvalidInputError(f"--seconds must be positive, got {seconds}")
     if threads is not None and threads < 1:
         raise InvalidInputError(f"-t must be at least 1, got {threads}")
+    device, about = gpu_device()
+    threads = threads or default_threads(with_gpu=device is not None)
     model = load_model(GGUFFile(path), None, threads)
     kinds = group_layers(model, os.fspath(path))
     moe = model.moe
     assert moe is not None  # group_layers checked
-    device, about = gpu_device()
     return {
         "host_threads": moe.executor.n_threads,
         "gpu": {

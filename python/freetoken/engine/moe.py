@@ -53,7 +53,7 @@ def default_executor(
         or _EXECUTOR.residual_acts != precise
         or (poll_us is not None and _EXECUTOR.poll_us != poll_us)
     ):
-        _EXECUTOR = _core.MoeExecutor(n_threads or os.cpu_count() or 1, precise, poll_us)
+        _EXECUTOR = _core.MoeExecutor(n_threads or default_threads(False), precise, poll_us)
     return _EXECUTOR
 
 
