@@ -452,9 +452,9 @@ def measure_model(
         raise InvalidInputError(f"--seconds must be positive, got {seconds}")
     if threads is not None and threads < 1:
         raise InvalidInputError(f"-t must be at least 1, got {threads}")
+    gguf = GGUFFile(path)  # a bad file fails before the GPU probe says anything
     device, about = gpu_device()
-    threads = threads or default_threads(with_gpu=device is not None)
-    model = load_model(GGUFFile(path), None, threads)
+    model = load_model(gguf, None, threads or default_threads(with_gpu=device is not None))
     kinds = group_layers(model, os.fspath(path))
     moe = model.moe
     assert moe is not None  # group_layers checked
