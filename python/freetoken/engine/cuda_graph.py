@@ -6,7 +6,8 @@ their work. :class:`GraphDecoder` captures the whole step (``Transformer.run``) 
 sequences (their KV caches) and cache-length buckets, and replays it: the tokens and their
 positions are copied into static input tensors, attention reads a fixed number of cached
 positions per sequence (the bucket) and masks the ones past the token. A step of several
-sequences, one token each (the server's continuous batching), is one graph too.
+sequences, one token each (the server's continuous batching), is one graph too, once the same
+set has come :data:`SETTLE_STEPS` steps in a row.
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ MAX_BATCH = 16
 #: Graphs kept, least recently used dropped first: each holds its batch's caches' addresses
 #: and a share of the graph memory pool.
 MAX_GRAPHS = 32
+#: Steps a set of several sequences runs eagerly, unchanged, before it is captured: a capture
+#: costs about three eager steps, and in a server whose requests come and go a set may last
+#: only a few steps. One sequence alone is captured at once.
+SETTLE_STEPS = 4
+
+
+class Settling:
+    """Counts how many steps in a row the same key came: :meth:`settled` is true once a key
+    has come ``steps`` times in a row (at once for ``steps`` <= 1)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.key: object = None
+        self.count = 0
+
+    def settled(self, key: object) -> bool:
+        self.count = self.count + 1 if key == self.key else 1
+        self.key = key
+        return self.count >= self.steps
 
 
 _Key = tuple[tuple[int, ...], tuple[int, ...]]
@@ -67,6 +87,7 @@ class GraphDecoder:
         # Static inputs per batch size: token ids and positions.
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graphs: OrderedDict[_Key, _Entry] = OrderedDict()
+        self.settling = Settling(SETTLE_STEPS)
 
     def _static(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if n not in self.inputs:
@@ -104,19 +125,24 @@ class GraphDecoder:
         return _Entry(graph, logits, caches, drop)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+    def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor | None:
         """Runs ``tokens[i]`` at the next position of ``caches[i]`` (distinct caches, at most
         :data:`MAX_BATCH`); returns their float32 logits ``[n, vocab]`` (on the device, valid
-        until the next step). The caller has checked the token ids."""
+        until the next step), or None, having run nothing, while a new set of several
+        sequences settles (:data:`SETTLE_STEPS`): the caller runs that step eagerly. The caller
+        has checked the token ids."""
         starts = [c.reserve(1) for c in caches]
         n_keys = tuple(
             min(c.n_ctx, (s // BUCKET + 1) * BUCKET) for c, s in zip(caches, starts, strict=True)
         )
+        key = (tuple(id(c) for c in caches), n_keys)
+        entry = self.graphs.get(key)
+        settled = self.settling.settled(key) or len(caches) == 1
+        if (entry is None or not entry.serves(caches)) and not settled:
+            return None
         tok, pos = self._static(len(caches))
         tok.copy_(torch.tensor(tokens, dtype=torch.int64))
         pos.copy_(torch.tensor(starts, dtype=torch.int64))
-        key = (tuple(id(c) for c in caches), n_keys)
-        entry = self.graphs.get(key)
         if entry is None or not entry.serves(caches):
             # The warm-up passes write these positions' keys too: the replay rewrites them.
             entry = self.graphs[key] = self._capture(key, caches, n_keys)

@@ -376,8 +376,10 @@ class Transformer:
             and len(flat) == len(spans) <= MAX_BATCH
             and len({id(c) for c in caches}) == len(caches)
         ):
-            # One token per sequence: a captured decode step.
-            return list(self.graphs.step(flat, caches).cpu().unbind(0))
+            # One token per sequence: a captured decode step, unless the set is new.
+            logits = self.graphs.step(flat, caches)
+            if logits is not None:
+                return list(logits.cpu().unbind(0))
         dev = self.device
         pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
         ends = None
