@@ -228,10 +228,13 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k_tile, Q4K, Q6K};
+        use super::avx512_k::{tile as k_tile, Q4K, Q5K, Q6K};
         match (kernel.weight_type(), kernel.act_type()) {
             (GgmlType::Q4_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q4K, 8>, k_tile::<Q4K, 4>, k_tile::<Q4K, 1>])
+            }
+            (GgmlType::Q5_K, GgmlType::Q8_K) => {
+                Some([k_tile::<Q5K, 8>, k_tile::<Q5K, 4>, k_tile::<Q5K, 1>])
             }
             (GgmlType::Q6_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q6K, 8>, k_tile::<Q6K, 4>, k_tile::<Q6K, 1>])
@@ -454,7 +457,7 @@ mod tests {
     pub(super) fn random_blocks(t: GgmlType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
         let bs = t.type_size();
         let fp16_at: &[usize] = match t {
-            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
             GgmlType::Q6_K => &[208],
             _ => &[0],
         };
@@ -478,6 +481,7 @@ mod tests {
             GgmlType::Q8_0,
             GgmlType::Q4_K,
             GgmlType::Q5_0,
+            GgmlType::Q5_K,
             GgmlType::Q6_K,
         ] {
             for k in [32usize, 96, 256, 2048] {
@@ -498,7 +502,9 @@ mod tests {
                     .map(|&b| b as f32 / 128.0 - 1.0)
                     .collect();
                 let mut weights = vec![quantize(t, &w, k, None).unwrap()];
-                if t.block_size() == 32 || matches!(t, GgmlType::Q4_K | GgmlType::Q6_K) {
+                if t.block_size() == 32
+                    || matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+                {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
                 }
                 for w in &weights {
@@ -533,6 +539,7 @@ mod tile_tests {
             GgmlType::Q5_0,
             GgmlType::Q8_0,
             GgmlType::Q4_K,
+            GgmlType::Q5_K,
             GgmlType::Q6_K,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
@@ -602,8 +609,9 @@ mod dispatch_tests {
             (GgmlType::Q5_0, true),
             (GgmlType::Q8_0, true),
             (GgmlType::Q4_K, true),
+            (GgmlType::Q5_K, true),
             (GgmlType::Q6_K, true),
-            (GgmlType::Q5_K, false),
+            (GgmlType::Q3_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");

@@ -1,11 +1,13 @@
-//! Four rows of Q4_K or Q6_K against one to eight Q8_K activation rows, bit-identical to
-//! ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` row by row.
+//! Four rows of Q4_K, Q5_K or Q6_K against one to eight Q8_K activation rows, bit-identical to
+//! ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
 //! run), converts the lanes to f32 and adds d_y * d_x times them to an f32 accumulator with
 //! one fused multiply-add. Q4_K's mins go through a second, four-lane accumulator (pairs of
-//! sub-blocks' min times the activation's sub-block sum, times -d_y * dmin_x); Q6_K's offset
+//! sub-blocks' min times the activation's sub-block sum, times -d_y * dmin_x); Q5_K's (the
+//! values of Q4_K with a fifth bit) through one scalar per row, the four lanes' integer sum
+//! times -d_y * dmin_x added with a fused multiply-add; Q6_K's offset
 //! of 32 is taken off the int32 lanes first (32 x scale x the activation's 16-value sums,
 //! two sub-blocks a lane). Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
@@ -19,6 +21,9 @@ use std::arch::x86_64::*;
 /// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
 /// high ones).
 const Q4_K_BLOCK: usize = 144;
+/// Bytes of a Q5_K block: Q4_K's fields, with 32 bytes of fifth bits (bit s of byte e: value e
+/// of sub-block s) before the 4-bit values.
+const Q5_K_BLOCK: usize = 176;
 /// Bytes of a Q6_K block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
 /// per 16 values), fp16 d.
 const Q6_K_BLOCK: usize = 210;
@@ -29,7 +34,8 @@ const Q8_K_SUMS: usize = 4 + 256;
 
 /// The weight types (const generic parameters).
 pub(super) const Q4K: u8 = 0;
-pub(super) const Q6K: u8 = 1;
+pub(super) const Q5K: u8 = 1;
+pub(super) const Q6K: u8 = 2;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -93,7 +99,11 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     supers: usize,
     out: &mut [[f32; GROUP]],
 ) {
-    let block = if KIND == Q4K { Q4_K_BLOCK } else { Q6_K_BLOCK };
+    let block = match KIND {
+        Q4K => Q4_K_BLOCK,
+        Q5K => Q5_K_BLOCK,
+        _ => Q6_K_BLOCK,
+    };
     // Row r's four min lanes are 4r..4r+4.
     let lanes_m = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); 2]; T];
@@ -110,10 +120,10 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             }
             let y: [*const u8; T] = std::array::from_fn(|t| acts[t].add(b * Q8_K_BLOCK));
             let mut sumi = [[_mm512_setzero_si512(); 2]; T];
-            let xd = if KIND == Q4K {
-                q4_k_sums(x, &y, &mut sumi, &mut acc_m, lanes_m)
-            } else {
-                q6_k_sums(x, &y, &mut sumi)
+            let xd = match KIND {
+                Q4K => q45_k_sums::<false, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
+                Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
+                _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
                 let yd = y.cast::<f32>().read_unaligned();
@@ -125,8 +135,17 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
     for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
         let sums = row_sums(acc);
-        if KIND != Q4K {
+        if KIND == Q6K {
             *o = sums;
+            continue;
+        }
+        if KIND == Q5K {
+            // ggml's scalar sum of the mins' share (each row's four lanes hold it).
+            let mut m4 = [0f32; 16];
+            _mm512_storeu_ps(m4.as_mut_ptr(), m);
+            for (r, (o, s)) in o.iter_mut().zip(sums).enumerate() {
+                *o = s + m4[4 * r];
+            }
             continue;
         }
         let m = [
@@ -144,14 +163,14 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
 }
 
-/// A Q4_K block of four rows (`x`) against `T` Q8_K blocks (`y`): the scaled lane sums into
-/// `sumi`, the mins' share into `acc_m`; returns d of the four rows.
+/// A Q4_K block (Q5_K with `FIFTH`) of four rows (`x`) against `T` Q8_K blocks (`y`): the
+/// scaled lane sums into `sumi`, the mins' share into `acc_m`; returns d of the four rows.
 ///
 /// # Safety
 /// `x` and `y` point at whole blocks; the CPU has the enabled features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-unsafe fn q4_k_sums<const T: usize>(
+unsafe fn q45_k_sums<const FIFTH: bool, const T: usize>(
     x: [*const u8; 4],
     y: &[*const u8; T],
     sumi: &mut [[__m512i; 2]; T],
@@ -199,14 +218,31 @@ unsafe fn q4_k_sums<const T: usize>(
             0,
             0,
         );
+        let pair = |a: *const u8, b: *const u8| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                _mm256_loadu_si256(b.cast()),
+            )
+        };
+        // Q5_K: each pair's fifth bits; sub-block s's adds 16 where bit s is set.
+        let qs = if FIFTH { 48 } else { 16 };
+        let fifth = [[0, 1], [2, 3]].map(|[ra, rb]| pair(x[ra].add(16), x[rb].add(16)));
+        let add_fifth = |v: __m512i, p: usize, s: usize| {
+            if !FIFTH {
+                return v;
+            }
+            let set = _mm512_test_epi8_mask(fifth[p], _mm512_set1_epi8(1 << s));
+            _mm512_or_si512(v, _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(16)))
+        };
         for j in 0..4 {
             for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
-                let q = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(x[ra].add(16 + 32 * j).cast())),
-                    _mm256_loadu_si256(x[rb].add(16 + 32 * j).cast()),
+                let q = pair(x[ra].add(qs + 32 * j), x[rb].add(qs + 32 * j));
+                let lo = add_fifth(_mm512_and_si512(q, m4), p, 2 * j);
+                let hi = add_fifth(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4),
+                    p,
+                    2 * j + 1,
                 );
-                let lo = _mm512_and_si512(q, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4);
                 let scale = |s: i16| {
                     let idx = _mm512_add_epi16(base, _mm512_set1_epi16(s));
                     _mm512_permutexvar_epi16(idx, both[p])
@@ -233,7 +269,12 @@ unsafe fn q4_k_sums<const T: usize>(
                 _mm256_castsi256_si128(bsums),
                 _mm256_extracti128_si256::<1>(bsums),
             );
-            let prod = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(q8s));
+            let mut prod = _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(q8s));
+            if FIFTH {
+                // Q5_K: each row's four lanes summed as integers first (ggml's hadds).
+                prod = _mm512_add_epi32(prod, _mm512_shuffle_epi32::<0b10_11_00_01>(prod));
+                prod = _mm512_add_epi32(prod, _mm512_shuffle_epi32::<0b01_00_11_10>(prod));
+            }
             *acc_m = _mm512_fmadd_ps(
                 _mm512_permutexvar_ps(lanes_m, dmin),
                 _mm512_cvtepi32_ps(prod),
