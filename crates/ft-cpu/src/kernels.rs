@@ -198,7 +198,7 @@ mod avx512 {
     const Q5_0_BLOCK: usize = 22;
 
     /// The weight types of the group kernels (const generic parameters).
-    const Q4: u8 = 0;
+    pub(super) const Q4: u8 = 0;
     const Q5: u8 = 1;
     const Q8: u8 = 2;
 
@@ -228,13 +228,16 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k_tile, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k_tile, IQ4XS, Q4K, Q5K, Q6K};
         match (kernel.weight_type(), kernel.act_type()) {
             (GgmlType::Q4_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q4K, 8>, k_tile::<Q4K, 4>, k_tile::<Q4K, 1>])
             }
             (GgmlType::Q5_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q5K, 8>, k_tile::<Q5K, 4>, k_tile::<Q5K, 1>])
+            }
+            (GgmlType::IQ4_XS, GgmlType::Q8_K) => {
+                Some([k_tile::<IQ4XS, 8>, k_tile::<IQ4XS, 4>, k_tile::<IQ4XS, 1>])
             }
             (GgmlType::Q6_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q6K, 8>, k_tile::<Q6K, 4>, k_tile::<Q6K, 1>])
@@ -292,7 +295,7 @@ mod avx512 {
     /// `a` and `b` point at the values (past the scale) of a block of the type.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    unsafe fn pair<const KIND: u8>(a: *const u8, b: *const u8) -> __m512i {
+    pub(super) unsafe fn pair<const KIND: u8>(a: *const u8, b: *const u8) -> __m512i {
         // SAFETY: 16 (Q4_0), 20 (Q5_0) or 32 (Q8_0) readable bytes at each, per the contract.
         unsafe {
             if KIND != Q8 {
@@ -483,6 +486,7 @@ mod tests {
             GgmlType::Q5_0,
             GgmlType::Q5_K,
             GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -503,7 +507,10 @@ mod tests {
                     .collect();
                 let mut weights = vec![quantize(t, &w, k, None).unwrap()];
                 if t.block_size() == 32
-                    || matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K)
+                    || matches!(
+                        t,
+                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+                    )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
                 }
@@ -541,6 +548,7 @@ mod tile_tests {
             GgmlType::Q4_K,
             GgmlType::Q5_K,
             GgmlType::Q6_K,
+            GgmlType::IQ4_XS,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -611,6 +619,7 @@ mod dispatch_tests {
             (GgmlType::Q4_K, true),
             (GgmlType::Q5_K, true),
             (GgmlType::Q6_K, true),
+            (GgmlType::IQ4_XS, true),
             (GgmlType::Q3_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());

@@ -1,5 +1,6 @@
-//! Four rows of Q4_K, Q5_K or Q6_K against one to eight Q8_K activation rows, bit-identical to
-//! ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` row by row.
+//! Four rows of Q4_K, Q5_K, Q6_K or IQ4_XS against one to eight Q8_K activation rows,
+//! bit-identical to ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` /
+//! `ggml_vec_dot_iq4_xs_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -9,11 +10,12 @@
 //! values of Q4_K with a fifth bit) through one scalar per row, the four lanes' integer sum
 //! times -d_y * dmin_x added with a fused multiply-add; Q6_K's offset
 //! of 32 is taken off the int32 lanes first (32 x scale x the activation's 16-value sums,
-//! two sub-blocks a lane). Here two rows share each 512-bit register and the weights are
+//! two sub-blocks a lane); IQ4_XS's values come from a 16-entry table and its signed 6-bit
+//! scales multiply the lanes directly. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
-use super::avx512::{row_sums, scaled_add, PREFETCH_ROWS};
+use super::avx512::{pair, row_sums, scaled_add, PREFETCH_ROWS, Q4};
 use super::GROUP;
 use std::arch::x86_64::*;
 
@@ -27,6 +29,13 @@ const Q5_K_BLOCK: usize = 176;
 /// Bytes of a Q6_K block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
 /// per 16 values), fp16 d.
 const Q6_K_BLOCK: usize = 210;
+/// Bytes of an IQ4_XS block: fp16 d, 16 bits of scale high bits, 4 bytes of scale low bits,
+/// 128 bytes of 4-bit table indices packed as Q4_0's (per 32-value sub-block).
+const IQ4_XS_BLOCK: usize = 136;
+/// IQ4_XS's (and IQ4_NL's) values of the 16 indices (ggml's `kvalues_iq4nl`).
+const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 /// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
 const Q8_K_BLOCK: usize = 292;
 /// Offset of a Q8_K block's sums.
@@ -36,6 +45,7 @@ const Q8_K_SUMS: usize = 4 + 256;
 pub(super) const Q4K: u8 = 0;
 pub(super) const Q5K: u8 = 1;
 pub(super) const Q6K: u8 = 2;
+pub(super) const IQ4XS: u8 = 3;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -102,6 +112,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     let block = match KIND {
         Q4K => Q4_K_BLOCK,
         Q5K => Q5_K_BLOCK,
+        IQ4XS => IQ4_XS_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -123,6 +134,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             let xd = match KIND {
                 Q4K => q45_k_sums::<false, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
+                IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
@@ -135,7 +147,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
     for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
         let sums = row_sums(acc);
-        if KIND == Q6K {
+        if KIND == Q6K || KIND == IQ4XS {
             *o = sums;
             continue;
         }
@@ -371,6 +383,88 @@ unsafe fn q6_k_sums<const T: usize>(
                         let v = _mm512_madd_epi16(sc, _mm512_maddubs_epi16(q, yq));
                         s[p] = _mm512_add_epi32(s[p], v);
                     }
+                }
+            }
+        }
+        xd
+    }
+}
+
+/// An IQ4_XS block of four rows (`x`) against `T` Q8_K blocks (`y`): the scaled lane sums into
+/// `sumi`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn iq4_xs_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+) -> __m128 {
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let h = |p: *const u8| p.cast::<i16>().read_unaligned();
+        let xd = _mm_cvtph_ps(_mm_set_epi16(
+            0,
+            0,
+            0,
+            0,
+            h(x[3]),
+            h(x[2]),
+            h(x[1]),
+            h(x[0]),
+        ));
+        let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_VALUES.as_ptr().cast()));
+        // Per row, the eight sub-blocks' signed scales: 6 bits from a low nibble and two high
+        // bits, less 32.
+        let scales = x.map(|x| {
+            let high = x.add(2).cast::<u16>().read_unaligned();
+            let low = x.add(4).cast::<[u8; 4]>().read_unaligned();
+            let mut ls = [0i16; 16];
+            for (ib, l) in ls.iter_mut().take(8).enumerate() {
+                let lo = (low[ib / 2] >> (4 * (ib % 2))) & 0xf;
+                let hi = (high >> (2 * ib)) & 3;
+                *l = i16::from(lo) | (hi << 4) as i16;
+                *l -= 32;
+            }
+            ls
+        });
+        // Per row pair, both rows' scales as int16 (row a in lanes 0..8, b in 16..24); the
+        // scale vector of sub-block s is [a[s] x 16, b[s] x 16].
+        let both = [[0, 1], [2, 3]].map(|[ra, rb]| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(scales[ra].as_ptr().cast())),
+                _mm256_loadu_si256(scales[rb].as_ptr().cast()),
+            )
+        });
+        let base = _mm512_set_epi64(
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0x0010_0010_0010_0010,
+            0,
+            0,
+            0,
+            0,
+        );
+        for s in 0..8 {
+            for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+                // The two rows' 32 values as signed bytes, then ggml's |x| and y * sign(x) for
+                // the unsigned-by-signed product.
+                let idx = pair::<Q4>(x[ra].add(8 + 16 * s), x[rb].add(8 + 16 * s));
+                let v = _mm512_shuffle_epi8(table, idx);
+                let neg = _mm512_movepi8_mask(v);
+                let av = _mm512_abs_epi8(v);
+                let sc = _mm512_permutexvar_epi16(
+                    _mm512_add_epi16(base, _mm512_set1_epi16(s as i16)),
+                    both[p],
+                );
+                for (acc, y) in sumi.iter_mut().zip(y) {
+                    let q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 32 * s).cast()));
+                    let sy = _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8);
+                    let p16 = _mm512_maddubs_epi16(av, sy);
+                    acc[p] = _mm512_add_epi32(acc[p], _mm512_madd_epi16(p16, sc));
                 }
             }
         }
