@@ -228,8 +228,11 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k_tile, IQ4XS, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k_tile, IQ4XS, Q2K, Q4K, Q5K, Q6K};
         match (kernel.weight_type(), kernel.act_type()) {
+            (GgmlType::Q2_K, GgmlType::Q8_K) => {
+                Some([k_tile::<Q2K, 8>, k_tile::<Q2K, 4>, k_tile::<Q2K, 1>])
+            }
             (GgmlType::Q4_K, GgmlType::Q8_K) => {
                 Some([k_tile::<Q4K, 8>, k_tile::<Q4K, 4>, k_tile::<Q4K, 1>])
             }
@@ -461,6 +464,7 @@ mod tests {
         let bs = t.type_size();
         let fp16_at: &[usize] = match t {
             GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q2_K => &[80, 82],
             GgmlType::Q6_K => &[208],
             _ => &[0],
         };
@@ -487,6 +491,7 @@ mod tests {
             GgmlType::Q5_K,
             GgmlType::Q6_K,
             GgmlType::IQ4_XS,
+            GgmlType::Q2_K,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -509,7 +514,11 @@ mod tests {
                 if t.block_size() == 32
                     || matches!(
                         t,
-                        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+                        GgmlType::Q2_K
+                            | GgmlType::Q4_K
+                            | GgmlType::Q5_K
+                            | GgmlType::Q6_K
+                            | GgmlType::IQ4_XS
                     )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
@@ -549,6 +558,7 @@ mod tile_tests {
             GgmlType::Q5_K,
             GgmlType::Q6_K,
             GgmlType::IQ4_XS,
+            GgmlType::Q2_K,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -620,6 +630,7 @@ mod dispatch_tests {
             (GgmlType::Q5_K, true),
             (GgmlType::Q6_K, true),
             (GgmlType::IQ4_XS, true),
+            (GgmlType::Q2_K, true),
             (GgmlType::Q3_K, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());

@@ -1,6 +1,6 @@
-//! Four rows of Q4_K, Q5_K, Q6_K or IQ4_XS against one to eight Q8_K activation rows,
-//! bit-identical to ggml's AVX2 `ggml_vec_dot_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` /
-//! `ggml_vec_dot_iq4_xs_q8_K` row by row.
+//! Four rows of Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS against one to eight Q8_K activation rows,
+//! bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` /
+//! `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -11,7 +11,8 @@
 //! times -d_y * dmin_x added with a fused multiply-add; Q6_K's offset
 //! of 32 is taken off the int32 lanes first (32 x scale x the activation's 16-value sums,
 //! two sub-blocks a lane); IQ4_XS's values come from a 16-entry table and its signed 6-bit
-//! scales multiply the lanes directly. Here two rows share each 512-bit register and the weights are
+//! scales multiply the lanes directly; Q2_K's mins (one per 16 values) go into the main
+//! accumulator first, times -d_y * dmin_x. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -19,6 +20,10 @@ use super::avx512::{pair, row_sums, scaled_add, PREFETCH_ROWS, Q4};
 use super::GROUP;
 use std::arch::x86_64::*;
 
+/// Bytes of a Q2_K block: 16 bytes of 4-bit scales (low) and mins (high), one per 16 values;
+/// 64 bytes of 2-bit values (each 32-byte run: four 32-value runs, two bits each); fp16 d and
+/// dmin.
+const Q2_K_BLOCK: usize = 84;
 /// Bytes of a Q4_K block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128
 /// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
 /// high ones).
@@ -46,6 +51,7 @@ pub(super) const Q4K: u8 = 0;
 pub(super) const Q5K: u8 = 1;
 pub(super) const Q6K: u8 = 2;
 pub(super) const IQ4XS: u8 = 3;
+pub(super) const Q2K: u8 = 4;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -113,6 +119,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         Q4K => Q4_K_BLOCK,
         Q5K => Q5_K_BLOCK,
         IQ4XS => IQ4_XS_BLOCK,
+        Q2K => Q2_K_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -135,6 +142,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 Q4K => q45_k_sums::<false, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
+                Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
@@ -147,7 +155,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
     for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
         let sums = row_sums(acc);
-        if KIND == Q6K || KIND == IQ4XS {
+        if KIND == Q6K || KIND == IQ4XS || KIND == Q2K {
             *o = sums;
             continue;
         }
@@ -329,18 +337,13 @@ unsafe fn q6_k_sums<const T: usize>(
                 _mm256_loadu_si256(b.cast()),
             )
         };
-        // Per row pair, its two rows' 16 scales as int16 (row a low, row b high); the scale
-        // vector of 32-value run m is [a[2m] x 8, a[2m + 1] x 8, b[2m] x 8, b[2m + 1] x 8].
+        // Per row pair, its two rows' 16 scales as int16 (row a low, row b high).
         let scales = [[0, 1], [2, 3]].map(|[ra, rb]| {
             _mm512_cvtepi8_epi16(_mm256_set_m128i(
                 _mm_loadu_si128(x[rb].add(192).cast()),
                 _mm_loadu_si128(x[ra].add(192).cast()),
             ))
         });
-        let base = _mm512_set_epi16(
-            17, 17, 17, 17, 17, 17, 17, 17, 16, 16, 16, 16, 16, 16, 16, 16, 1, 1, 1, 1, 1, 1, 1, 1,
-            0, 0, 0, 0, 0, 0, 0, 0,
-        );
         for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
             // 32 x (the activation's 16-value sums . the row's scales), two a lane, as
             // ggml's madd and shift.
@@ -354,7 +357,7 @@ unsafe fn q6_k_sums<const T: usize>(
                 let q2 = pair(x[ra].add(64 * j + 32), x[rb].add(64 * j + 32));
                 let qh = pair(x[ra].add(128 + 32 * j), x[rb].add(128 + 32 * j));
                 // The four 32-value runs of these 128 values: low bits | high bits << 4.
-                let q = [
+                let runs = [
                     _mm512_or_si512(
                         _mm512_and_si512(q1, m15),
                         _mm512_slli_epi16::<4>(_mm512_and_si512(qh, m3)),
@@ -372,18 +375,7 @@ unsafe fn q6_k_sums<const T: usize>(
                         _mm512_srli_epi16::<2>(_mm512_and_si512(qh, _mm512_set1_epi8(-64))),
                     ),
                 ];
-                for (k, q) in q.into_iter().enumerate() {
-                    let m = (4 * j + k) as i16;
-                    let idx = _mm512_add_epi16(base, _mm512_set1_epi16(2 * m));
-                    let sc = _mm512_permutexvar_epi16(idx, scales[p]);
-                    for (s, y) in sumi[..].iter_mut().zip(y) {
-                        let yq = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            y.add(4 + 128 * j + 32 * k).cast(),
-                        ));
-                        let v = _mm512_madd_epi16(sc, _mm512_maddubs_epi16(q, yq));
-                        s[p] = _mm512_add_epi32(s[p], v);
-                    }
-                }
+                add_runs(runs, scales[p], j, p, y, sumi);
             }
         }
         xd
@@ -469,5 +461,113 @@ unsafe fn iq4_xs_sums<const T: usize>(
             }
         }
         xd
+    }
+}
+
+/// A Q2_K block of four rows (`x`) against `T` Q8_K blocks (`y`): the mins' share straight
+/// into `acc` (before the caller adds the scaled sums, ggml's order), the scaled lane sums
+/// into `sumi`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn q2_k_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+    acc: &mut [[__m512; 2]; T],
+) -> __m128 {
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let (m3, m4) = (_mm512_set1_epi8(3), _mm_set1_epi8(0x0f));
+        let h = |p: *const u8, o: usize| p.add(o).cast::<i16>().read_unaligned();
+        let xd = _mm256_cvtph_ps(_mm_set_epi16(
+            h(x[3], 82),
+            h(x[2], 82),
+            h(x[1], 82),
+            h(x[0], 82),
+            h(x[3], 80),
+            h(x[2], 80),
+            h(x[1], 80),
+            h(x[0], 80),
+        ));
+        let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
+        // Per row pair, the two rows' 16 scales and 16 mins as int16, row a low, row b high.
+        let nibbles = |r: usize, shift: bool| {
+            let b = _mm_loadu_si128(x[r].cast());
+            let b = if shift { _mm_srli_epi16::<4>(b) } else { b };
+            _mm256_cvtepu8_epi16(_mm_and_si128(b, m4))
+        };
+        let both = |shift: bool| {
+            [[0, 1], [2, 3]].map(|[ra, rb]| {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(nibbles(ra, shift)),
+                    nibbles(rb, shift),
+                )
+            })
+        };
+        let (scales, mins) = (both(false), both(true));
+        for (t, y) in y.iter().enumerate() {
+            let yd = y.cast::<f32>().read_unaligned();
+            // -d_y * dmin_x per row, as ggml's f32 product; the mins against the
+            // activation's 16-value sums, two a lane.
+            let dmin = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(-yd), xdmin));
+            let bsums = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(Q8_K_SUMS).cast()));
+            let prod = mins.map(|m| _mm512_madd_epi16(m, bsums));
+            scaled_add(dmin, prod, &mut acc[t]);
+        }
+        for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+            for j in 0..2 {
+                let q = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(x[ra].add(16 + 32 * j).cast())),
+                    _mm256_loadu_si256(x[rb].add(16 + 32 * j).cast()),
+                );
+                // The four 32-value runs of these 128 values, two bits each.
+                let runs = [
+                    _mm512_and_si512(q, m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+                ];
+                add_runs(runs, scales[p], j, p, y, sumi);
+            }
+        }
+        xd
+    }
+}
+
+/// Adds a row pair's four 32-value runs `runs` (unsigned values, values 128j.. of the block)
+/// times `T` activations into `sumi[..][p]`, each run's 16-value halves scaled by the pair's
+/// int16 `scales` (16 per row, row a in lanes 0..16, row b in 16..32; Q2_K, Q6_K): run m uses
+/// [a[2m] x 8, a[2m + 1] x 8, b[2m] x 8, b[2m + 1] x 8], as ggml's madd of the scales.
+///
+/// # Safety
+/// `y` point at whole Q8_K blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn add_runs<const T: usize>(
+    runs: [__m512i; 4],
+    scales: __m512i,
+    j: usize,
+    p: usize,
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+) {
+    let base = _mm512_set_epi16(
+        17, 17, 17, 17, 17, 17, 17, 17, 16, 16, 16, 16, 16, 16, 16, 16, 1, 1, 1, 1, 1, 1, 1, 1, 0,
+        0, 0, 0, 0, 0, 0, 0,
+    );
+    for (k, q) in runs.into_iter().enumerate() {
+        let m = (4 * j + k) as i16;
+        let sc = _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16(2 * m)), scales);
+        for (s, y) in sumi.iter_mut().zip(y) {
+            // SAFETY: within the activation block, per the contract.
+            let yq = unsafe {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 128 * j + 32 * k).cast()))
+            };
+            let v = _mm512_madd_epi16(sc, _mm512_maddubs_epi16(q, yq));
+            s[p] = _mm512_add_epi32(s[p], v);
+        }
     }
 }
