@@ -29,16 +29,16 @@ const GROUP: usize = 4;
 /// ahead.
 pub(crate) const PASS_ROWS: usize = 16;
 
-/// Activation rows (tokens) the group kernels take at once, largest first: each group of
-/// weight blocks is unpacked once for all of them. 128-token products on the 2-core dev
-/// machine (AMD EPYC): Q5_0 160 -> 380 GFLOP/s, Q4_0 200 -> 410, Q8_0 230 -> 420 with 8
+/// Activation rows (tokens) the multi-token group kernels take at once, largest first: each
+/// group of weight blocks is unpacked once for all of them. 128-token products on the 2-core
+/// dev machine (AMD EPYC): Q5_0 160 -> 380 GFLOP/s, Q4_0 200 -> 410, Q8_0 230 -> 420 with 8
 /// against 1 (310-400 with 4). Each token holds two accumulators: 16 of the 32 vector
 /// registers at 8.
-pub(crate) const TILES: [usize; 3] = [8, 4, 1];
+pub(crate) const TILES: [usize; 2] = [8, 4];
 
 /// `out[t][r]` = row r of the `GROUP` rows at `w`, `w + row_bytes`, ... against the activation
 /// row `acts[t]`, each `blocks` 32-value blocks long, for the kernel's number of tokens
-/// (`acts.len()` and `out.len()`, one of [`TILES`]).
+/// (`acts.len()` and `out.len()`: one of [`TILES`], or 1).
 type GroupFn = unsafe fn(
     w: *const u8,
     row_bytes: usize,
@@ -47,12 +47,19 @@ type GroupFn = unsafe fn(
     out: &mut [[f32; GROUP]],
 );
 
+/// A weight type's group kernels on this CPU: one per [`TILES`] size, and one for a single
+/// token where it beats ggml's row kernel (tokens left over go one by one).
+#[derive(Clone, Copy)]
+struct GroupFns {
+    tiles: [GroupFn; 2],
+    one: Option<GroupFn>,
+}
+
 /// A weight type's dot product, applied to runs of consecutive rows.
 #[derive(Clone, Copy)]
 pub(crate) struct RowDots {
     kernel: VecDot,
-    /// The group kernels for each of [`TILES`], where this CPU and type have them.
-    group: Option<[GroupFn; 3]>,
+    group: Option<GroupFns>,
 }
 
 impl RowDots {
@@ -95,16 +102,11 @@ impl RowDots {
                     o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
                 }
             };
-            let Some(fns) = self.group else {
-                for t in 0..acts.len() {
-                    self.put_rows(w, pass(t), |r0, v| put(t, r0, v));
-                }
-                continue;
-            };
             let blocks = self.kernel.k() / 32;
             let whole = n / GROUP * GROUP;
             let mut t0 = 0;
-            for (size, f) in TILES.into_iter().zip(fns) {
+            let tiles = self.group.map(|g| g.tiles);
+            for (size, f) in TILES.into_iter().zip(tiles.into_iter().flatten()) {
                 while t0 + size <= acts.len() {
                     let a: [*const u8; TILES[0]] =
                         std::array::from_fn(|t| pass(t0 + t.min(size - 1)).as_ptr());
@@ -132,6 +134,9 @@ impl RowDots {
                     t0 += size;
                 }
             }
+            for t in t0..acts.len() {
+                self.put_rows(w, pass(t), |r0, v| put(t, r0, v));
+            }
         }
     }
 
@@ -157,8 +162,8 @@ impl RowDots {
             out.len()
         );
         let mut done = 0;
-        if let Some(fns) = self.group {
-            let (blocks, one) = (self.kernel.k() / 32, fns[TILES.len() - 1]);
+        if let Some(one) = self.group.and_then(|g| g.one) {
+            let blocks = self.kernel.k() / 32;
             for (o, rows) in out.chunks_exact_mut(GROUP).zip(w.chunks_exact(GROUP * rb)) {
                 let mut r = [[0f32; GROUP]];
                 // SAFETY: `rows` holds GROUP rows of `rb` bytes and `act` one activation row
@@ -180,7 +185,7 @@ impl RowDots {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{GroupFn, GROUP, TILES};
+    use super::{GroupFn, GroupFns, GROUP, TILES};
     use freetoken_ggml::{GgmlType, VecDot};
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
@@ -211,9 +216,8 @@ mod avx512 {
         }
     }
 
-    /// The group kernels (for each of [`TILES`]) for `kernel`'s types on this CPU, if there
-    /// are.
-    pub(super) fn group_fns(kernel: &VecDot) -> Option<[GroupFn; 3]> {
+    /// The group kernels for `kernel`'s types on this CPU, if there are.
+    pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
         static USABLE: OnceLock<bool> = OnceLock::new();
         let usable = *USABLE.get_or_init(|| {
             freetoken_ggml::cpu_has_avx2()
@@ -224,31 +228,24 @@ mod avx512 {
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
         });
-        const _: () = assert!(TILES[0] == 8 && TILES[1] == 4 && TILES[2] == 1);
+        const _: () = assert!(TILES[0] == 8 && TILES[1] == 4);
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k_tile, IQ4XS, Q2K, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k, IQ4XS, Q2K, Q4K, Q5K, Q6K};
+        let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
-            (GgmlType::Q2_K, GgmlType::Q8_K) => {
-                Some([k_tile::<Q2K, 8>, k_tile::<Q2K, 4>, k_tile::<Q2K, 1>])
-            }
-            (GgmlType::Q4_K, GgmlType::Q8_K) => {
-                Some([k_tile::<Q4K, 8>, k_tile::<Q4K, 4>, k_tile::<Q4K, 1>])
-            }
-            (GgmlType::Q5_K, GgmlType::Q8_K) => {
-                Some([k_tile::<Q5K, 8>, k_tile::<Q5K, 4>, k_tile::<Q5K, 1>])
-            }
-            (GgmlType::IQ4_XS, GgmlType::Q8_K) => {
-                Some([k_tile::<IQ4XS, 8>, k_tile::<IQ4XS, 4>, k_tile::<IQ4XS, 1>])
-            }
-            (GgmlType::Q6_K, GgmlType::Q8_K) => {
-                Some([k_tile::<Q6K, 8>, k_tile::<Q6K, 4>, k_tile::<Q6K, 1>])
-            }
+            // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
+            // 130 against 133 at 2048 x 2048; benches/README.md).
+            (GgmlType::Q2_K, GgmlType::Q8_K) => fns([k::<Q2K, 8>, k::<Q2K, 4>], None),
+            (GgmlType::IQ4_XS, GgmlType::Q8_K) => fns([k::<IQ4XS, 8>, k::<IQ4XS, 4>], None),
+            (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
+            (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
+            (GgmlType::Q6_K, GgmlType::Q8_K) => fns([k::<Q6K, 8>, k::<Q6K, 4>], Some(k::<Q6K, 1>)),
             _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
-            (GgmlType::Q4_0, _) => Some([tile::<Q4, 8>, tile::<Q4, 4>, tile::<Q4, 1>]),
-            (GgmlType::Q5_0, _) => Some([tile::<Q5, 8>, tile::<Q5, 4>, tile::<Q5, 1>]),
-            (GgmlType::Q8_0, _) => Some([tile::<Q8, 8>, tile::<Q8, 4>, tile::<Q8, 1>]),
+            (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], Some(tile::<Q4, 1>)),
+            (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], Some(tile::<Q5, 1>)),
+            (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], Some(tile::<Q8, 1>)),
             _ => None,
         }
     }
