@@ -201,19 +201,7 @@ unsafe fn q45_k_sums<const FIFTH: bool, const T: usize>(
     unsafe {
         let m4 = _mm512_set1_epi8(0x0f);
         let sm = x.map(|x| scales_and_mins(x.add(4).cast::<[u8; 12]>().read_unaligned()));
-        let h = |p: *const u8, o: usize| p.add(o).cast::<i16>().read_unaligned();
-        // d and dmin of rows 0..4 as f32.
-        let xd = _mm256_cvtph_ps(_mm_set_epi16(
-            h(x[3], 2),
-            h(x[2], 2),
-            h(x[1], 2),
-            h(x[0], 2),
-            h(x[3], 0),
-            h(x[2], 0),
-            h(x[1], 0),
-            h(x[0], 0),
-        ));
-        let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
+        let (xd, xdmin) = (fp16_of_rows(x, 0), fp16_of_rows(x, 2));
         // The four rows' mins as int16, row r in the r-th 128 bits.
         let half = |r: usize| i64::from_le_bytes(sm[r][8..].try_into().expect("8 bytes"));
         let mins = _mm512_cvtepu8_epi16(_mm256_set_m128i(
@@ -320,17 +308,7 @@ unsafe fn q6_k_sums<const T: usize>(
     // SAFETY: within the blocks, per the contract.
     unsafe {
         let (m15, m3) = (_mm512_set1_epi8(15), _mm512_set1_epi8(3));
-        let h = |p: *const u8| p.add(208).cast::<i16>().read_unaligned();
-        let xd = _mm_cvtph_ps(_mm_set_epi16(
-            0,
-            0,
-            0,
-            0,
-            h(x[3]),
-            h(x[2]),
-            h(x[1]),
-            h(x[0]),
-        ));
+        let xd = fp16_of_rows(x, 208);
         let pair = |a: *const u8, b: *const u8| {
             _mm512_inserti64x4::<1>(
                 _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
@@ -396,17 +374,7 @@ unsafe fn iq4_xs_sums<const T: usize>(
 ) -> __m128 {
     // SAFETY: within the blocks, per the contract.
     unsafe {
-        let h = |p: *const u8| p.cast::<i16>().read_unaligned();
-        let xd = _mm_cvtph_ps(_mm_set_epi16(
-            0,
-            0,
-            0,
-            0,
-            h(x[3]),
-            h(x[2]),
-            h(x[1]),
-            h(x[0]),
-        ));
+        let xd = fp16_of_rows(x, 0);
         let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_VALUES.as_ptr().cast()));
         // Per row, the eight sub-blocks' signed scales: 6 bits from a low nibble and two high
         // bits, less 32.
@@ -481,18 +449,7 @@ unsafe fn q2_k_sums<const T: usize>(
     // SAFETY: within the blocks, per the contract.
     unsafe {
         let (m3, m4) = (_mm512_set1_epi8(3), _mm_set1_epi8(0x0f));
-        let h = |p: *const u8, o: usize| p.add(o).cast::<i16>().read_unaligned();
-        let xd = _mm256_cvtph_ps(_mm_set_epi16(
-            h(x[3], 82),
-            h(x[2], 82),
-            h(x[1], 82),
-            h(x[0], 82),
-            h(x[3], 80),
-            h(x[2], 80),
-            h(x[1], 80),
-            h(x[0], 80),
-        ));
-        let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
+        let (xd, xdmin) = (fp16_of_rows(x, 80), fp16_of_rows(x, 82));
         // Per row pair, the two rows' 16 scales and 16 mins as int16, row a low, row b high.
         let nibbles = |r: usize, shift: bool| {
             let b = _mm_loadu_si128(x[r].cast());
@@ -570,4 +527,16 @@ unsafe fn add_runs<const T: usize>(
             s[p] = _mm512_add_epi32(s[p], v);
         }
     }
+}
+
+/// The fp16 at byte `at` of each of the four blocks `x` (a scale), as f32 (exact).
+///
+/// # Safety
+/// Two bytes at `at` of each block are readable; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn fp16_of_rows(x: [*const u8; 4], at: usize) -> __m128 {
+    // SAFETY: per the contract.
+    let h = |r: usize| unsafe { x[r].add(at).cast::<i16>().read_unaligned() };
+    _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h(3), h(2), h(1), h(0)))
 }
