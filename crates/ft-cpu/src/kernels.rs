@@ -232,13 +232,14 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k, IQ4XS, Q2K, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
             // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
             // 130 against 133 at 2048 x 2048; benches/README.md).
             (GgmlType::Q2_K, GgmlType::Q8_K) => fns([k::<Q2K, 8>, k::<Q2K, 4>], None),
             (GgmlType::IQ4_XS, GgmlType::Q8_K) => fns([k::<IQ4XS, 8>, k::<IQ4XS, 4>], None),
+            (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
             (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
             (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
             (GgmlType::Q6_K, GgmlType::Q8_K) => fns([k::<Q6K, 8>, k::<Q6K, 4>], Some(k::<Q6K, 1>)),
@@ -462,6 +463,7 @@ mod tests {
         let fp16_at: &[usize] = match t {
             GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
             GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
             GgmlType::Q6_K => &[208],
             _ => &[0],
         };
@@ -489,6 +491,7 @@ mod tests {
             GgmlType::Q6_K,
             GgmlType::IQ4_XS,
             GgmlType::Q2_K,
+            GgmlType::Q3_K,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -512,6 +515,7 @@ mod tests {
                     || matches!(
                         t,
                         GgmlType::Q2_K
+                            | GgmlType::Q3_K
                             | GgmlType::Q4_K
                             | GgmlType::Q5_K
                             | GgmlType::Q6_K
@@ -556,6 +560,7 @@ mod tile_tests {
             GgmlType::Q6_K,
             GgmlType::IQ4_XS,
             GgmlType::Q2_K,
+            GgmlType::Q3_K,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -628,7 +633,8 @@ mod dispatch_tests {
             (GgmlType::Q6_K, true),
             (GgmlType::IQ4_XS, true),
             (GgmlType::Q2_K, true),
-            (GgmlType::Q3_K, false),
+            (GgmlType::Q3_K, true),
+            (GgmlType::IQ2_XXS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");

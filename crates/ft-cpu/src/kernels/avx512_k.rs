@@ -1,6 +1,6 @@
-//! Four rows of Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS against one to eight Q8_K activation rows,
-//! bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` /
-//! `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` row by row.
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS against one to eight Q8_K activation
+//! rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K` / `_q4_K_q8_K`
+//! / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -12,7 +12,8 @@
 //! of 32 is taken off the int32 lanes first (32 x scale x the activation's 16-value sums,
 //! two sub-blocks a lane); IQ4_XS's values come from a 16-entry table and its signed 6-bit
 //! scales multiply the lanes directly; Q2_K's mins (one per 16 values) go into the main
-//! accumulator first, times -d_y * dmin_x. Here two rows share each 512-bit register and the weights are
+//! accumulator first, times -d_y * dmin_x; Q3_K's values are two low bits less 4 where the
+//! high bit is clear, its signed 6-bit scales one per 16 values. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -24,6 +25,9 @@ use std::arch::x86_64::*;
 /// 64 bytes of 2-bit values (each 32-byte run: four 32-value runs, two bits each); fp16 d and
 /// dmin.
 const Q2_K_BLOCK: usize = 84;
+/// Bytes of a Q3_K block: 32 bytes of high bits (bit b of byte e: value e of 32-value run b),
+/// 64 bytes of 2-bit values (as Q2_K's), 12 bytes of packed 6-bit scales, fp16 d.
+const Q3_K_BLOCK: usize = 110;
 /// Bytes of a Q4_K block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128
 /// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
 /// high ones).
@@ -52,6 +56,7 @@ pub(super) const Q5K: u8 = 1;
 pub(super) const Q6K: u8 = 2;
 pub(super) const IQ4XS: u8 = 3;
 pub(super) const Q2K: u8 = 4;
+pub(super) const Q3K: u8 = 5;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -120,6 +125,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         Q5K => Q5_K_BLOCK,
         IQ4XS => IQ4_XS_BLOCK,
         Q2K => Q2_K_BLOCK,
+        Q3K => Q3_K_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -143,6 +149,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
                 Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
+                Q3K => q3_k_sums(x, &y, &mut sumi),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
@@ -155,7 +162,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
     for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
         let sums = row_sums(acc);
-        if KIND == Q6K || KIND == IQ4XS || KIND == Q2K {
+        if !matches!(KIND, Q4K | Q5K) {
             *o = sums;
             continue;
         }
@@ -353,7 +360,7 @@ unsafe fn q6_k_sums<const T: usize>(
                         _mm512_srli_epi16::<2>(_mm512_and_si512(qh, _mm512_set1_epi8(-64))),
                     ),
                 ];
-                add_runs(runs, scales[p], j, p, y, sumi);
+                add_runs(runs, None, scales[p], j, p, y, sumi);
             }
         }
         xd
@@ -487,16 +494,18 @@ unsafe fn q2_k_sums<const T: usize>(
                     _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
                     _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
                 ];
-                add_runs(runs, scales[p], j, p, y, sumi);
+                add_runs(runs, None, scales[p], j, p, y, sumi);
             }
         }
         xd
     }
 }
 
-/// Adds a row pair's four 32-value runs `runs` (unsigned values, values 128j.. of the block)
+/// Adds a row pair's four 32-value runs `runs` (unsigned values, values 128j.. of the block;
+/// less `minus`, also unsigned, where given: ggml's two products subtracted in int16)
 /// times `T` activations into `sumi[..][p]`, each run's 16-value halves scaled by the pair's
-/// int16 `scales` (16 per row, row a in lanes 0..16, row b in 16..32; Q2_K, Q6_K): run m uses
+/// int16 `scales` (16 per row, row a in lanes 0..16, row b in 16..32; Q2_K, Q3_K, Q6_K): run m
+/// uses
 /// [a[2m] x 8, a[2m + 1] x 8, b[2m] x 8, b[2m + 1] x 8], as ggml's madd of the scales.
 ///
 /// # Safety
@@ -505,6 +514,7 @@ unsafe fn q2_k_sums<const T: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
 unsafe fn add_runs<const T: usize>(
     runs: [__m512i; 4],
+    minus: Option<[__m512i; 4]>,
     scales: __m512i,
     j: usize,
     p: usize,
@@ -523,8 +533,11 @@ unsafe fn add_runs<const T: usize>(
             let yq = unsafe {
                 _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 128 * j + 32 * k).cast()))
             };
-            let v = _mm512_madd_epi16(sc, _mm512_maddubs_epi16(q, yq));
-            s[p] = _mm512_add_epi32(s[p], v);
+            let mut p16 = _mm512_maddubs_epi16(q, yq);
+            if let Some(minus) = minus {
+                p16 = _mm512_sub_epi16(p16, _mm512_maddubs_epi16(minus[k], yq));
+            }
+            s[p] = _mm512_add_epi32(s[p], _mm512_madd_epi16(sc, p16));
         }
     }
 }
@@ -539,4 +552,74 @@ unsafe fn fp16_of_rows(x: [*const u8; 4], at: usize) -> __m128 {
     // SAFETY: per the contract.
     let h = |r: usize| unsafe { x[r].add(at).cast::<i16>().read_unaligned() };
     _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h(3), h(2), h(1), h(0)))
+}
+
+/// A Q3_K block of four rows (`x`) against `T` Q8_K blocks (`y`): the scaled lane sums into
+/// `sumi`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn q3_k_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+) -> __m128 {
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let m3 = _mm512_set1_epi8(3);
+        let xd = fp16_of_rows(x, 108);
+        // Per row, the 16 signed 6-bit scales, unpacked as ggml does (low nibbles from the first
+        // 8 bytes, high two bits from the last 4), less 32.
+        let scales = x.map(|x| {
+            let w = |i: usize| x.add(96 + 4 * i).cast::<u32>().read_unaligned();
+            let (a0, a1, a2) = (w(0), w(1), w(2));
+            let (k1, k2) = (0x0303_0303_u32, 0x0f0f_0f0f_u32);
+            let words = [
+                (a0 & k2) | ((a2 & k1) << 4),
+                (a1 & k2) | (((a2 >> 2) & k1) << 4),
+                ((a0 >> 4) & k2) | (((a2 >> 4) & k1) << 4),
+                ((a1 >> 4) & k2) | (((a2 >> 6) & k1) << 4),
+            ];
+            let v = _mm_set_epi32(
+                words[3] as i32,
+                words[2] as i32,
+                words[1] as i32,
+                words[0] as i32,
+            );
+            _mm_sub_epi8(v, _mm_set1_epi8(32))
+        });
+        let both = [[0, 1], [2, 3]].map(|[ra, rb]| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales[ra])),
+                _mm256_cvtepi8_epi16(scales[rb]),
+            )
+        });
+        let pair = |a: *const u8, b: *const u8| {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                _mm256_loadu_si256(b.cast()),
+            )
+        };
+        for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+            let high = pair(x[ra], x[rb]);
+            for j in 0..2 {
+                let q = pair(x[ra].add(32 + 32 * j), x[rb].add(32 + 32 * j));
+                let runs = [
+                    _mm512_and_si512(q, m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+                ];
+                // 4 where run b's high bit is clear.
+                let minus: [__m512i; 4] = std::array::from_fn(|k| {
+                    let bit = _mm512_set1_epi8(1 << (4 * j + k));
+                    _mm512_maskz_mov_epi8(_mm512_testn_epi8_mask(high, bit), _mm512_set1_epi8(4))
+                });
+                add_runs(runs, Some(minus), both[p], j, p, y, sumi);
+            }
+        }
+        xd
+    }
 }
