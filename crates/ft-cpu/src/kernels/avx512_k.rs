@@ -233,15 +233,9 @@ unsafe fn q45_k_sums<const FIFTH: bool, const T: usize>(
             0,
             0,
         );
-        let pair = |a: *const u8, b: *const u8| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
-                _mm256_loadu_si256(b.cast()),
-            )
-        };
         // Q5_K: each pair's fifth bits; sub-block s's adds 16 where bit s is set.
         let qs = if FIFTH { 48 } else { 16 };
-        let fifth = [[0, 1], [2, 3]].map(|[ra, rb]| pair(x[ra].add(16), x[rb].add(16)));
+        let fifth = [[0, 1], [2, 3]].map(|[ra, rb]| load_pair(x[ra].add(16), x[rb].add(16)));
         let add_fifth = |v: __m512i, p: usize, s: usize| {
             if !FIFTH {
                 return v;
@@ -251,7 +245,7 @@ unsafe fn q45_k_sums<const FIFTH: bool, const T: usize>(
         };
         for j in 0..4 {
             for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
-                let q = pair(x[ra].add(qs + 32 * j), x[rb].add(qs + 32 * j));
+                let q = load_pair(x[ra].add(qs + 32 * j), x[rb].add(qs + 32 * j));
                 let lo = add_fifth(_mm512_and_si512(q, m4), p, 2 * j);
                 let hi = add_fifth(
                     _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4),
@@ -316,12 +310,6 @@ unsafe fn q6_k_sums<const T: usize>(
     unsafe {
         let (m15, m3) = (_mm512_set1_epi8(15), _mm512_set1_epi8(3));
         let xd = fp16_of_rows(x, 208);
-        let pair = |a: *const u8, b: *const u8| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
-                _mm256_loadu_si256(b.cast()),
-            )
-        };
         // Per row pair, its two rows' 16 scales as int16 (row a low, row b high).
         let scales = [[0, 1], [2, 3]].map(|[ra, rb]| {
             _mm512_cvtepi8_epi16(_mm256_set_m128i(
@@ -338,9 +326,9 @@ unsafe fn q6_k_sums<const T: usize>(
                 s[p] = _mm512_sub_epi32(s[p], sub);
             }
             for j in 0..2 {
-                let q1 = pair(x[ra].add(64 * j), x[rb].add(64 * j));
-                let q2 = pair(x[ra].add(64 * j + 32), x[rb].add(64 * j + 32));
-                let qh = pair(x[ra].add(128 + 32 * j), x[rb].add(128 + 32 * j));
+                let q1 = load_pair(x[ra].add(64 * j), x[rb].add(64 * j));
+                let q2 = load_pair(x[ra].add(64 * j + 32), x[rb].add(64 * j + 32));
+                let qh = load_pair(x[ra].add(128 + 32 * j), x[rb].add(128 + 32 * j));
                 // The four 32-value runs of these 128 values: low bits | high bits << 4.
                 let runs = [
                     _mm512_or_si512(
@@ -360,7 +348,7 @@ unsafe fn q6_k_sums<const T: usize>(
                         _mm512_srli_epi16::<2>(_mm512_and_si512(qh, _mm512_set1_epi8(-64))),
                     ),
                 ];
-                add_runs(runs, None, scales[p], j, p, y, sumi);
+                add_runs::<T, false>(runs, runs, scales[p], j, p, y, sumi);
             }
         }
         xd
@@ -399,12 +387,8 @@ unsafe fn iq4_xs_sums<const T: usize>(
         });
         // Per row pair, both rows' scales as int16 (row a in lanes 0..8, b in 16..24); the
         // scale vector of sub-block s is [a[s] x 16, b[s] x 16].
-        let both = [[0, 1], [2, 3]].map(|[ra, rb]| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_loadu_si256(scales[ra].as_ptr().cast())),
-                _mm256_loadu_si256(scales[rb].as_ptr().cast()),
-            )
-        });
+        let both = [[0, 1], [2, 3]]
+            .map(|[ra, rb]| load_pair(scales[ra].as_ptr().cast(), scales[rb].as_ptr().cast()));
         let base = _mm512_set_epi64(
             0x0010_0010_0010_0010,
             0x0010_0010_0010_0010,
@@ -455,7 +439,7 @@ unsafe fn q2_k_sums<const T: usize>(
 ) -> __m128 {
     // SAFETY: within the blocks, per the contract.
     unsafe {
-        let (m3, m4) = (_mm512_set1_epi8(3), _mm_set1_epi8(0x0f));
+        let m4 = _mm_set1_epi8(0x0f);
         let (xd, xdmin) = (fp16_of_rows(x, 80), fp16_of_rows(x, 82));
         // Per row pair, the two rows' 16 scales and 16 mins as int16, row a low, row b high.
         let nibbles = |r: usize, shift: bool| {
@@ -464,12 +448,7 @@ unsafe fn q2_k_sums<const T: usize>(
             _mm256_cvtepu8_epi16(_mm_and_si128(b, m4))
         };
         let both = |shift: bool| {
-            [[0, 1], [2, 3]].map(|[ra, rb]| {
-                _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(nibbles(ra, shift)),
-                    nibbles(rb, shift),
-                )
-            })
+            [[0, 1], [2, 3]].map(|[ra, rb]| join(nibbles(ra, shift), nibbles(rb, shift)))
         };
         let (scales, mins) = (both(false), both(true));
         for (t, y) in y.iter().enumerate() {
@@ -483,18 +462,8 @@ unsafe fn q2_k_sums<const T: usize>(
         }
         for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
             for j in 0..2 {
-                let q = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(x[ra].add(16 + 32 * j).cast())),
-                    _mm256_loadu_si256(x[rb].add(16 + 32 * j).cast()),
-                );
-                // The four 32-value runs of these 128 values, two bits each.
-                let runs = [
-                    _mm512_and_si512(q, m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-                ];
-                add_runs(runs, None, scales[p], j, p, y, sumi);
+                let runs = two_bit_runs(load_pair(x[ra].add(16 + 32 * j), x[rb].add(16 + 32 * j)));
+                add_runs::<T, false>(runs, runs, scales[p], j, p, y, sumi);
             }
         }
         xd
@@ -502,7 +471,7 @@ unsafe fn q2_k_sums<const T: usize>(
 }
 
 /// Adds a row pair's four 32-value runs `runs` (unsigned values, values 128j.. of the block;
-/// less `minus`, also unsigned, where given: ggml's two products subtracted in int16)
+/// with `MINUS`, less `minus`, also unsigned: ggml's two products subtracted in int16)
 /// times `T` activations into `sumi[..][p]`, each run's 16-value halves scaled by the pair's
 /// int16 `scales` (16 per row, row a in lanes 0..16, row b in 16..32; Q2_K, Q3_K, Q6_K): run m
 /// uses
@@ -512,9 +481,9 @@ unsafe fn q2_k_sums<const T: usize>(
 /// `y` point at whole Q8_K blocks; the CPU has the enabled features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-unsafe fn add_runs<const T: usize>(
+unsafe fn add_runs<const T: usize, const MINUS: bool>(
     runs: [__m512i; 4],
-    minus: Option<[__m512i; 4]>,
+    minus: [__m512i; 4],
     scales: __m512i,
     j: usize,
     p: usize,
@@ -534,7 +503,7 @@ unsafe fn add_runs<const T: usize>(
                 _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 128 * j + 32 * k).cast()))
             };
             let mut p16 = _mm512_maddubs_epi16(q, yq);
-            if let Some(minus) = minus {
+            if MINUS {
                 p16 = _mm512_sub_epi16(p16, _mm512_maddubs_epi16(minus[k], yq));
             }
             s[p] = _mm512_add_epi32(s[p], _mm512_madd_epi16(sc, p16));
@@ -568,7 +537,6 @@ unsafe fn q3_k_sums<const T: usize>(
 ) -> __m128 {
     // SAFETY: within the blocks, per the contract.
     unsafe {
-        let m3 = _mm512_set1_epi8(3);
         let xd = fp16_of_rows(x, 108);
         // Per row, the 16 signed 6-bit scales, unpacked as ggml does (low nibbles from the first
         // 8 bytes, high two bits from the last 4), less 32.
@@ -591,35 +559,55 @@ unsafe fn q3_k_sums<const T: usize>(
             _mm_sub_epi8(v, _mm_set1_epi8(32))
         });
         let both = [[0, 1], [2, 3]].map(|[ra, rb]| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales[ra])),
+            join(
+                _mm256_cvtepi8_epi16(scales[ra]),
                 _mm256_cvtepi8_epi16(scales[rb]),
             )
         });
-        let pair = |a: *const u8, b: *const u8| {
-            _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
-                _mm256_loadu_si256(b.cast()),
-            )
-        };
         for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
-            let high = pair(x[ra], x[rb]);
+            let high = load_pair(x[ra], x[rb]);
             for j in 0..2 {
-                let q = pair(x[ra].add(32 + 32 * j), x[rb].add(32 + 32 * j));
-                let runs = [
-                    _mm512_and_si512(q, m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
-                    _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-                ];
+                let runs = two_bit_runs(load_pair(x[ra].add(32 + 32 * j), x[rb].add(32 + 32 * j)));
                 // 4 where run b's high bit is clear.
                 let minus: [__m512i; 4] = std::array::from_fn(|k| {
                     let bit = _mm512_set1_epi8(1 << (4 * j + k));
                     _mm512_maskz_mov_epi8(_mm512_testn_epi8_mask(high, bit), _mm512_set1_epi8(4))
                 });
-                add_runs(runs, Some(minus), both[p], j, p, y, sumi);
+                add_runs::<T, true>(runs, minus, both[p], j, p, y, sumi);
             }
         }
         xd
     }
+}
+
+/// `lo` in the low 256 bits, `hi` in the high ones (a row pair's values).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// 32 bytes at `a`, then 32 at `b`.
+///
+/// # Safety
+/// 32 bytes are readable at each; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn load_pair(a: *const u8, b: *const u8) -> __m512i {
+    // SAFETY: per the contract.
+    unsafe { join(_mm256_loadu_si256(a.cast()), _mm256_loadu_si256(b.cast())) }
+}
+
+/// The four 32-value runs packed two bits each in `q`'s bytes (Q2_K, Q3_K): run k in bits
+/// 2k..2k+2.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+fn two_bit_runs(q: __m512i) -> [__m512i; 4] {
+    let m3 = _mm512_set1_epi8(3);
+    [
+        _mm512_and_si512(q, m3),
+        _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+        _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+    ]
 }
