@@ -187,6 +187,19 @@ fn group_routes(ids: &[i32], n_experts: usize, skip: bool) -> Result<Grouping> {
     Ok(Grouping { order, groups })
 }
 
+/// Each route's activation row in `acts` (rows of `row_bytes`, one per token).
+fn route_rows<'a>(
+    acts: &'a [u8],
+    row_bytes: usize,
+    routes: &[usize],
+    top_k: usize,
+) -> Vec<&'a [u8]> {
+    routes
+        .iter()
+        .map(|&r| &acts[r / top_k * row_bytes..(r / top_k + 1) * row_bytes])
+        .collect()
+}
+
 /// One task: a contiguous block of one used expert's gate and up rows (phase 1) or down rows
 /// (phase 2).
 #[derive(Clone)]
@@ -372,17 +385,10 @@ pub fn moe_forward_with(
             let routes = &grouping.order[range.clone()];
             // The routes' activation rows, so that each pass's weight blocks are unpacked once
             // for several of them (RowDots::dots).
-            let ag: Vec<&[u8]> = routes
-                .iter()
-                .map(|&route| &xg[route / top_k * agb..(route / top_k + 1) * agb])
-                .collect();
-            let au: Vec<&[u8]> = match &xu {
-                None => ag.clone(),
-                Some(xu) => routes
-                    .iter()
-                    .map(|&route| &xu[route / top_k * aub..(route / top_k + 1) * aub])
-                    .collect(),
-            };
+            let ag = route_rows(&xg, agb, routes, top_k);
+            // Gate and up share their activation rows unless their types differ.
+            let au_own = xu.as_ref().map(|xu| route_rows(xu, aub, routes, top_k));
+            let au = au_own.as_ref().unwrap_or(&ag);
             let (mut gv, mut uv) = (
                 vec![0f32; routes.len() * PASS_ROWS],
                 vec![0f32; routes.len() * PASS_ROWS],
@@ -392,7 +398,7 @@ pub fn moe_forward_with(
                 let n = pass.len();
                 let (gv, uv) = (&mut gv[..routes.len() * n], &mut uv[..routes.len() * n]);
                 dg.dots(w.gate.rows(ex, pass.clone(), &kg), &ag, gv);
-                du.dots(w.up.rows(ex, pass.clone(), &ku), &au, uv);
+                du.dots(w.up.rows(ex, pass.clone(), &ku), au, uv);
                 for ((&route, gv), uv) in routes
                     .iter()
                     .zip(gv.chunks_exact(n))
