@@ -181,6 +181,7 @@ def freetoken(
             row["hit_rate"] = hyb["hit_rate"]
             secs = hyb.get("decode_seconds") or 0.0
             row["cpu_busy_share"] = hyb["cpu_busy_s"] / secs if secs else None
+            row["bookkeeping_share"] = hyb["bookkeeping_s"] / secs if secs else None
     except (ValueError, KeyError, IndexError) as e:
         row["error"] = f"{type(e).__name__}: {e}\nstdout: {out[-2000:]}"
     return row

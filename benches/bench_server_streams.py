@@ -164,7 +164,9 @@ def _server_cmd(engine: str, args: argparse.Namespace, streams: int, port: int) 
     if engine == "freetoken":
         cmd = [sys.executable, "-m", "freetoken", "serve", "-m", args.model, "--host"]
         cmd += ["127.0.0.1", "--port", str(port), "-np", str(streams), "-c", str(per_slot)]
-        cmd += ["-t", str(args.threads), *shlex.split(args.freetoken_args)]
+        # Its own thread count (the executor's default beside a GPU) unless the extra
+        # flags say -t: llama.cpp's best -t is not FreeToken's (benches/README.md).
+        cmd += shlex.split(args.freetoken_args)
         return cmd
     cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(streams), "-c", str(streams * per_slot), "-t", str(args.threads)]
@@ -209,7 +211,7 @@ def main() -> int:
     ap.add_argument("--llama-server", help="llama-server binary (left out when not given)")
     ap.add_argument("--streams", default="4,16", help="comma-separated stream counts")
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
-    ap.add_argument("-t", "--threads", type=int, default=16)
+    ap.add_argument("-t", "--threads", type=int, default=16, help="llama-server's -t")
     ap.add_argument("--freetoken-args", default="", help="extra freetoken serve flags")
     ap.add_argument(
         "--llama-args", default="-ngl 99", help="extra llama-server flags (--llama-args=...)"
@@ -219,7 +221,7 @@ def main() -> int:
     args = ap.parse_args()
     engines = ["freetoken"] + (["llama.cpp"] if args.llama_server else [])
     rows = [run_engine(e, args, int(n)) for n in args.streams.split(",") for e in reversed(engines)]
-    print(f"model {args.model}: {args.max_tokens} tokens per stream, {args.threads} threads")
+    print(f"model {args.model}: {args.max_tokens} tokens per stream, llama.cpp -t {args.threads}")
     print(f"freetoken: {args.freetoken_args or '(defaults)'}; llama.cpp: {args.llama_args}")
     print(
         "| streams | engine | aggregate decode t/s | per-stream t/s | ratio | VRAM MiB | RSS MiB |"

@@ -4,13 +4,19 @@ replayed-graph decode step's time; with ``--batch N``, decode steps of N sequenc
 (the server's continuous batching: eager), timed, with the host's share (hybrid's CPU thread
 busy time) and a profile of one.
 
+With hybrid, also where the host's time goes over replayed decode steps (cProfile: waiting
+for the step, slot bookkeeping, uploads).
+
     python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant] \
-        [--moe-strategy hybrid --moe-cache-mib N] [-t THREADS] [--batch 4]
+        [--moe-strategy hybrid --moe-cache-mib N [--moe-cache-adaptive] \
+        [--moe-cache-profile FILE]] [-t THREADS] [--batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -33,6 +39,8 @@ def main() -> None:
     ap.add_argument("--dense-weights", default="quant")
     ap.add_argument("--moe-strategy", default="gpu")
     ap.add_argument("--moe-cache-mib", type=int, default=None)
+    ap.add_argument("--moe-cache-adaptive", action="store_true")
+    ap.add_argument("--moe-cache-profile", default=None)
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--batch", type=int, default=0, help="sequences of a batched decode step")
@@ -46,6 +54,8 @@ def main() -> None:
             moe_strategy=args.moe_strategy,
             dense_weights=args.dense_weights,
             moe_cache_mib=args.moe_cache_mib,
+            moe_cache_adaptive=args.moe_cache_adaptive,
+            moe_cache_profile=args.moe_cache_profile,
         ),
     )
     model = llm.model
@@ -80,8 +90,35 @@ def main() -> None:
         model.forward([400 + i], cache)
     torch.cuda.synchronize()
     print(f"\ngraph decode: {(time.perf_counter() - t0) / 32 * 1e3:.3f} ms per step")
+    if model.step_hook is not None:
+        host_profile(model, cache)
     if args.batch:
         batched_steps(model, args)
+
+
+def host_profile(model: Transformer, cache: object, steps: int = 64) -> None:
+    """The host's time over replayed decode steps by function, and the hybrid counters."""
+    hook = model.step_hook
+    before = hook.stats()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    with prof:
+        for i in range(steps):
+            model.forward([600 + i], cache)
+        torch.cuda.synchronize()
+    secs = (time.perf_counter() - t0) / steps
+    after = hook.stats()
+    per = {
+        "busy": after.cpu_busy_s - before.cpu_busy_s,
+        "bookkeeping": after.bookkeeping_s - before.bookkeeping_s,
+    }
+    print(
+        f"\nhost profile of {steps} graph decode steps: {secs * 1e3:.3f} ms per step; CPU expert "
+        f"thread busy {per['busy'] / steps * 1e3:.2f} ms, bookkeeping "
+        f"{per['bookkeeping'] / steps * 1e3:.3f} ms per step; swaps {after.swaps - before.swaps}, "
+        f"fills {after.fills - before.fills}"
+    )
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 def batched_steps(model: Transformer, args: argparse.Namespace) -> None:

@@ -6,12 +6,13 @@ Each model is checked twice per strategy: the whole sequence as one prompt (pref
 resident pools, or whole expert layers streamed double-buffered for ``offload``) and one
 token at a time (decode: replayed CUDA graphs for ``gpu``; LRU slot placement and uploads
 for ``offload``, with a cache smaller than one layer's experts; for ``hybrid`` the same small
-cache, hits on the GPU and misses on the CPU inside replayed graphs). The families cover shared
+cache, hits on the GPU and misses on the CPU inside replayed graphs; for ``cpu`` every route
+through the same hand-off, no slots). The families cover shared
 experts (qwen2moe), the per-expert layout (Mixtral), different types across layers and for
 gate, up and down (mixed), sigmoid and grouped routing with MLA attention (deepseek2,
-glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor (gpt-oss's
-clamped SwiGLU with biases, TQ2_0). Dense weights run both ways (``quant``: ggml-cuda
-MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
+glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor through
+the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0). Dense weights run both ways
+(``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ MODELS = {
 #: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
 FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
 
-STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant")]
+STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant"), ("cpu", "quant")]
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,10 @@ def test_gpu_matches_cpu(
     path = model_files[name]
     seqs, refs = _cpu_runs(path)
     llm = _gpu_llm(path, strategy, dense)
-    assert llm.placement is not None and llm.placement.strategy == strategy
+    place = llm.placement
+    assert place is not None and place.strategy == strategy
+    if strategy == "cpu":  # every MoE layer on the CPU through the hand-off, decode a graph
+        assert place.graphs and place.handoff_cpu_layers and not place.cpu_layers
     for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
         first = len(llm.tokenize(prompt)) - 1
         prefill = llm.logits(seq)[first : len(seq) - 1].numpy()

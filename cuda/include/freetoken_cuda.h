@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 3
+#define FT_CUDA_ABI_VERSION 4
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -157,9 +157,30 @@ typedef struct ft_cuda_handoff_routes_args {
     void *stream;
 } ft_cuda_handoff_routes_args;
 
+/* Attention's q or k after the fused QKV product, in one kernel (instead of an RMSNorm and four
+ * element-wise kernels): per token and head, RMSNorm over the head (when `weight` is set), then
+ * NEOX RoPE over the whole head with the whole-head tables (`cos` twice, `-sin` then `sin`):
+ *   n = x / sqrt(mean(x^2) + eps) * weight;  y[i] = n[i] * cos[i] + n[(i + d/2) % d] * sin[i]
+ * computed as torch computes `n * cos + roll(n, d/2) * sin` (two rounded products, one sum). */
+typedef struct ft_cuda_norm_rope_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t reserved;
+    int64_t n_tokens, n_heads, head_dim; /* head_dim even, 2..1024 */
+    int64_t row_stride;                  /* floats from one token's heads to the next's */
+    float eps;
+    int32_t reserved1;
+    const float *x;      /* device [n_tokens][row_stride], heads contiguous from the start */
+    const float *weight; /* device [head_dim], or null: no norm */
+    const float *cos;    /* device [n_tokens, head_dim] */
+    const float *sin;    /* device [n_tokens, head_dim] */
+    float *y;            /* device [n_tokens, n_heads, head_dim], not overlapping x */
+    void *stream;
+} ft_cuda_norm_rope_args;
+
 uint32_t ft_cuda_abi_version(void);
 /* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
- * 4 handoff_routes_args; 0 if unknown. */
+ * 4 handoff_routes_args, 5 norm_rope_args; 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -170,6 +191,7 @@ int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args);
 int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
 int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args);
 int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
+int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

@@ -617,6 +617,75 @@ static int32_t handoff_routes_locked(const ft_cuda_handoff_routes_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff_routes");
 }
 
+// ---- Attention's q/k: RMSNorm per head and NEOX RoPE in one kernel ----
+
+// The sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), in every thread.
+static __device__ float block_sum(float v) {
+    __shared__ float part[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) {
+        part[threadIdx.x / 32] = v;
+    }
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? part[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+// One block per (token, head); thread i holds the pair (i, i + d/2) that NEOX rotates together.
+static __global__ void norm_rope_kernel(ft_cuda_norm_rope_args a) {
+    const int64_t t = blockIdx.x / a.n_heads, h = blockIdx.x % a.n_heads;
+    const int half = (int)(a.head_dim / 2), i = threadIdx.x;
+    const float *x = a.x + t * a.row_stride + h * a.head_dim;
+    float x0 = 0.0f, x1 = 0.0f;
+    if (i < half) {
+        x0 = x[i];
+        x1 = x[i + half];
+    }
+    if (a.weight != nullptr) {
+        const float ss = block_sum(__fadd_rn(__fmul_rn(x0, x0), __fmul_rn(x1, x1)));
+        const float r = rsqrtf(ss / (float)a.head_dim + a.eps);
+        if (i < half) {
+            x0 = __fmul_rn(__fmul_rn(x0, r), a.weight[i]);
+            x1 = __fmul_rn(__fmul_rn(x1, r), a.weight[i + half]);
+        }
+    }
+    if (i < half) {
+        const float *c = a.cos + t * a.head_dim, *s = a.sin + t * a.head_dim;
+        float *y = a.y + (t * a.n_heads + h) * a.head_dim;
+        // No contraction into FMAs: the same roundings as torch's x * cos + roll(x) * sin.
+        y[i] = __fadd_rn(__fmul_rn(x0, c[i]), __fmul_rn(x1, s[i]));
+        y[i + half] = __fadd_rn(__fmul_rn(x1, c[i + half]), __fmul_rn(x0, s[i + half]));
+    }
+}
+
+static int32_t norm_rope_locked(const ft_cuda_norm_rope_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.x == nullptr || a.cos == nullptr || a.sin == nullptr || a.y == nullptr) {
+        return fail(FT_CUDA_EINVAL, "norm_rope: x, cos, sin and y must be non-null");
+    }
+    if (a.n_tokens < 1 || a.n_heads < 1 || a.head_dim < 2 || a.head_dim > 1024 || a.head_dim % 2 != 0 ||
+        a.row_stride < a.n_heads * a.head_dim || a.n_tokens * a.row_stride > MAX_ELEMENTS ||
+        a.n_tokens * a.n_heads > INT32_MAX) {
+        return fail(FT_CUDA_ESHAPE, "norm_rope: bad sizes (tokens %lld, heads %lld, head_dim %lld, stride %lld)",
+                    (long long)a.n_tokens, (long long)a.n_heads, (long long)a.head_dim, (long long)a.row_stride);
+    }
+    device_guard dg(a.device);
+    cudaGetLastError();
+    const int threads = (int)((a.head_dim / 2 + 31) / 32 * 32);
+    norm_rope_kernel<<<(unsigned)(a.n_tokens * a.n_heads), threads, 0, as_stream(a.stream)>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "norm_rope");
+}
+
 FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
 
 FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
@@ -626,6 +695,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 2: return sizeof(ft_cuda_moe_args);
         case 3: return sizeof(ft_cuda_handoff_args);
         case 4: return sizeof(ft_cuda_handoff_routes_args);
+        case 5: return sizeof(ft_cuda_norm_rope_args);
         default: return 0;
     }
 }
@@ -712,4 +782,12 @@ FT_EXPORT int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args
                     sizeof(ft_cuda_handoff_routes_args));
     }
     return handoff_routes_locked(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_norm_rope_args)) {
+        return fail(FT_CUDA_EINVAL, "norm_rope: null or wrong struct_size (want %zu)", sizeof(ft_cuda_norm_rope_args));
+    }
+    return norm_rope_locked(*args);
 }

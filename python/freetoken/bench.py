@@ -96,6 +96,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 "hits": int(stats.hits.sum()),
                 "answered": int(stats.answered),
                 "cpu_busy_s": float(stats.cpu_busy_s),
+                "bookkeeping_s": float(stats.bookkeeping_s),
                 "fills": int(stats.fills),
                 "swaps": int(stats.swaps),
                 "decode_steps": decode_steps,

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 /// The library's file name.
 pub const LIB_NAME: &str = "libfreetoken_cuda.so";
 /// The environment variable naming the library (or its folder).
@@ -135,6 +135,25 @@ struct RawHandoffRoutesArgs {
     stream: *mut c_void,
 }
 
+#[repr(C)]
+struct RawNormRopeArgs {
+    struct_size: u64,
+    device: i32,
+    reserved: i32,
+    n_tokens: i64,
+    n_heads: i64,
+    head_dim: i64,
+    row_stride: i64,
+    eps: f32,
+    reserved1: i32,
+    x: *const f32,
+    weight: *const f32,
+    cos: *const f32,
+    sin: *const f32,
+    y: *mut f32,
+    stream: *mut c_void,
+}
+
 type FnAbiVersion = unsafe extern "C" fn() -> u32;
 type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -144,6 +163,7 @@ type FnMatmul = unsafe extern "C" fn(*const RawMatmulArgs) -> i32;
 type FnMoe = unsafe extern "C" fn(*const RawMoeArgs) -> i32;
 type FnHandoff = unsafe extern "C" fn(*const RawHandoffArgs) -> i32;
 type FnHandoffRoutes = unsafe extern "C" fn(*const RawHandoffRoutesArgs) -> i32;
+type FnNormRope = unsafe extern "C" fn(*const RawNormRopeArgs) -> i32;
 type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// The library's entry points. The handle is never closed: the library holds CUDA state
@@ -155,6 +175,7 @@ struct Api {
     moe_layer: FnMoe,
     handoff_wait_add: FnHandoff,
     handoff_routes: FnHandoffRoutes,
+    norm_rope: FnNormRope,
     last_error: FnLastError,
 }
 
@@ -408,6 +429,11 @@ impl Cuda {
                     "ft_cuda_handoff_routes_args",
                     std::mem::size_of::<RawHandoffRoutesArgs>(),
                 ),
+                (
+                    5,
+                    "ft_cuda_norm_rope_args",
+                    std::mem::size_of::<RawNormRopeArgs>(),
+                ),
             ] {
                 let got = struct_size(which);
                 if got != want as u64 {
@@ -422,6 +448,7 @@ impl Cuda {
                 moe_layer: symbol(handle, "ft_cuda_moe_layer")?,
                 handoff_wait_add: symbol(handle, "ft_cuda_handoff_wait_add")?,
                 handoff_routes: symbol(handle, "ft_cuda_handoff_routes")?,
+                norm_rope: symbol(handle, "ft_cuda_norm_rope")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
@@ -713,6 +740,92 @@ impl Cuda {
         }
         Ok(())
     }
+
+    /// Queues [`NormRope`] on its stream: RMSNorm per head (when a weight is given) and NEOX
+    /// RoPE over whole heads, `x` into `y`.
+    pub fn norm_rope(&self, a: &NormRope) -> Result<()> {
+        self.check_device(a.device)?;
+        check_addrs(&[("x", a.x), ("cos", a.cos), ("sin", a.sin), ("y", a.y)])?;
+        if a.weight != 0 {
+            check_addrs(&[("weight", a.weight)])?;
+        }
+        let d = a.head_dim;
+        if a.n_tokens == 0 || a.n_heads == 0 || !(2..=1024).contains(&d) || !d.is_multiple_of(2) {
+            return Err(Error::Shape(format!(
+                "norm_rope: {} tokens of {} heads of {d}: head_dim must be even, 2..=1024",
+                a.n_tokens, a.n_heads
+            )));
+        }
+        let heads = a.n_heads.checked_mul(d);
+        let total = a.n_tokens.checked_mul(a.row_stride);
+        if heads.is_none_or(|h| a.row_stride < h)
+            || total.is_none_or(|t| t > i32::MAX as usize)
+            || !a.eps.is_finite()
+            || a.eps < 0.0
+        {
+            return Err(Error::Shape(format!(
+                "norm_rope: row stride {} for {} heads of {d}, {} tokens, eps {}",
+                a.row_stride, a.n_heads, a.n_tokens, a.eps
+            )));
+        }
+        let raw = RawNormRopeArgs {
+            struct_size: std::mem::size_of::<RawNormRopeArgs>() as u64,
+            device: a.device,
+            reserved: 0,
+            n_tokens: a.n_tokens as i64,
+            n_heads: a.n_heads as i64,
+            head_dim: d as i64,
+            row_stride: a.row_stride as i64,
+            eps: a.eps,
+            reserved1: 0,
+            x: a.x as *const f32,
+            weight: a.weight as *const f32,
+            cos: a.cos as *const f32,
+            sin: a.sin as *const f32,
+            y: a.y as *mut f32,
+            stream: a.stream as *mut c_void,
+        };
+        // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
+        // (checked against the tensors by the Python layer) for as long as it runs.
+        let rc = unsafe { (self.api.norm_rope)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
+}
+
+/// Attention's q or k after the fused QKV product ([`Cuda::norm_rope`]): `n_tokens` rows of
+/// `row_stride` floats at `x`, the first `n_heads * head_dim` of each the heads; `weight`
+/// (`head_dim` floats, 0 for none) the RMSNorm weight; `cos`/`sin` the whole-head tables
+/// `[n_tokens, head_dim]`; `y` the contiguous output `[n_tokens, n_heads, head_dim]`.
+/// Addresses are device memory.
+#[derive(Debug, Clone)]
+pub struct NormRope {
+    /// CUDA device index.
+    pub device: i32,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Heads per token.
+    pub n_heads: usize,
+    /// Floats per head (even, at most 1024).
+    pub head_dim: usize,
+    /// Floats from one token's row to the next.
+    pub row_stride: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Input rows.
+    pub x: usize,
+    /// RMSNorm weight, or 0.
+    pub weight: usize,
+    /// Cosine table.
+    pub cos: usize,
+    /// Sine table (negated in the first half).
+    pub sin: usize,
+    /// Output.
+    pub y: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
 }
 
 /// A hand-off's counter and block: non-null and 8-byte aligned (the library checks that the
@@ -926,6 +1039,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<RawHandoffArgs>(),
             8 + 8 + 16 + 16 + 16 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawNormRopeArgs>(),
+            8 + 8 + 32 + 8 + 40 + 8
         );
     }
 

@@ -4,7 +4,7 @@
 
 use crate::errors::IntoPy;
 use freetoken_ggml::GgmlType;
-use ft_cuda::{Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer};
+use ft_cuda::{Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope};
 use pyo3::prelude::*;
 
 /// Registers this module's functions on `_core`.
@@ -17,6 +17,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_moe_layer, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_wait_add, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_routes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_norm_rope, m)?)?;
     Ok(())
 }
 
@@ -216,4 +217,33 @@ pub fn cuda_handoff_routes(
     ft_cuda::runtime()
         .and_then(|rt| rt.handoff_routes(&h, &r))
         .py_err()
+}
+
+/// RMSNorm per head and NEOX RoPE over whole heads (`ft_cuda::Cuda::norm_rope`). `sizes` is
+/// (n_tokens, n_heads, head_dim, row_stride); `ptrs` (x, weight or 0, cos, sin, y).
+#[pyfunction]
+pub fn cuda_norm_rope(
+    device: i32,
+    stream: usize,
+    sizes: (usize, usize, usize, usize),
+    eps: f32,
+    ptrs: (usize, usize, usize, usize, usize),
+) -> PyResult<()> {
+    let (n_tokens, n_heads, head_dim, row_stride) = sizes;
+    let (x, weight, cos, sin, y) = ptrs;
+    let a = NormRope {
+        device,
+        n_tokens,
+        n_heads,
+        head_dim,
+        row_stride,
+        eps,
+        x,
+        weight,
+        cos,
+        sin,
+        y,
+        stream,
+    };
+    ft_cuda::runtime().and_then(|rt| rt.norm_rope(&a)).py_err()
 }

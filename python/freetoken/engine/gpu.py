@@ -36,6 +36,7 @@ __all__ = [
     "host_tensor",
     "kernel_for",
     "moe_layer",
+    "norm_rope",
     "pool_nbytes",
     "status",
 ]
@@ -409,3 +410,42 @@ def handoff_routes(
         tuple(h.data_ptr() for h in host),
     )
     return slots, gpu_weights
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Attention's q or k ``x [T, H, D]`` (float32, heads contiguous, rows any stride: a slice
+    of the fused QKV product) in one kernel on the current stream: RMSNorm over each head by
+    ``weight [D]`` when given, then NEOX RoPE over whole heads with the whole-head tables
+    ``cos``/``sin`` of ``[T, 1, D]`` (``cos`` twice, ``-sin`` then ``sin``), as
+    ``n * cos + roll(n, D/2) * sin``. Returns a new contiguous ``[T, H, D]``."""
+    dev = x.device
+    if x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cuda":
+        raise InvalidInputError("x must be a 3-D float32 CUDA tensor")
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        raise InvalidInputError("x must have contiguous heads")
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check(table, name, torch.float32, (t, 1, d), dev)
+    if weight is not None:
+        _check(weight, "weight", torch.float32, (d,), dev)
+    y = torch.empty((t, h, d), dtype=torch.float32, device=dev)
+    _core.cuda_norm_rope(
+        _device_index(x),
+        _stream(dev),
+        (t, h, d, x.stride(0) if t > 1 else h * d),  # a lone row's stride is arbitrary
+        eps,
+        (
+            x.data_ptr(),
+            0 if weight is None else weight.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            y.data_ptr(),
+        ),
+    )
+    return y

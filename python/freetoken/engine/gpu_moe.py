@@ -311,21 +311,24 @@ class OffloadExperts(_PlannedPools):
             self._pins = pinned
             self.pinned = set(pinned.layers) >= set(self.order)
         self.copy_stream = torch.cuda.Stream(device)
-        sizes = [
-            max(
-                gpu.pool_nbytes(ex.kinds[k].qtype, ex.kinds[k].k, ex.kinds[k].rows, ex.n_experts)
-                for ex in layers
-            )
-            for k in range(3)
-        ]
-        self.staging = [
-            _Staging(
-                [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
-                torch.cuda.Event(),
-                torch.cuda.Event(),
-            )
-            for _ in range(2)
-        ]
+        self.staging: list[_Staging] = []
+        if layers:  # without layers (a hand-off with no slots) nothing is streamed
+            sizes = [
+                max(
+                    gpu.pool_nbytes(m.qtype, m.k, m.rows, ex.n_experts)
+                    for ex in layers
+                    for m in [ex.kinds[k]]
+                )
+                for k in range(3)
+            ]
+            self.staging = [
+                _Staging(
+                    [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
+                    torch.cuda.Event(),
+                    torch.cuda.Event(),
+                )
+                for _ in range(2)
+            ]
 
     @property
     def nbytes(self) -> int:

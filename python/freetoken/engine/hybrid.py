@@ -22,6 +22,7 @@ the whole layer over PCIe is cheaper than computing the misses on the CPU.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,7 +97,8 @@ class HybridStats:
     of those how many hit an expert the pools were seeded with (a profile's) or one filled in
     since; hand-off requests the CPU answered and the seconds it spent answering; experts
     uploaded into slots (fills of free slots, swaps over residents) and bytes uploaded
-    (seeding included); each layer's resident expert ids."""
+    (seeding included); each layer's resident expert ids; the seconds the host spent between
+    steps on the slot bookkeeping and starting uploads (the GPU idles meanwhile)."""
 
     layers: list[int]
     routes: np.ndarray
@@ -109,6 +111,7 @@ class HybridStats:
     swaps: int
     uploaded_bytes: int
     resident: list[list[int]]
+    bookkeeping_s: float
 
     @property
     def hit_rate(self) -> float:
@@ -190,13 +193,16 @@ class HybridExperts(OffloadExperts):
         self.seeded_hits = np.zeros(n, dtype=np.int64)
         self.filled_hits = np.zeros(n, dtype=np.int64)
         self.fills = self.swaps = 0
+        self.bookkeeping_s = 0.0
 
     # -- the step -------------------------------------------------------------------------
 
     def begin(self, n_tokens: int) -> None:
         """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream,
         and starts the CPU thread when splitting."""
+        t0 = time.perf_counter()
         self._publish_uploads()
+        self.bookkeeping_s += time.perf_counter() - t0
         self.n_tokens = n_tokens
         fits = n_tokens <= MAX_TOKENS
         self.split = fits and self._split_pays(n_tokens)
@@ -238,7 +244,9 @@ class HybridExperts(OffloadExperts):
             raise DeviceError(
                 f"the GPU waited over {TIMEOUT_S:.0f} s for the CPU expert thread; step abandoned"
             )
+        t0 = time.perf_counter()
         self._account(self.n_tokens)
+        self.bookkeeping_s += time.perf_counter() - t0
 
     def launch(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -283,6 +291,8 @@ class HybridExperts(OffloadExperts):
         """Whether computing a layer's expected misses on the CPU beats streaming the layer
         over PCIe (issue 7's rule with the bench-bw figures; each missed route priced as one
         expert read, which over-prices the CPU on long prompts, where it is compute-bound)."""
+        if not self.order:
+            return False  # no slots: nothing to split
         if n_tokens <= MAX_SLOT_TOKENS:
             return True
         ex = self.layers[self.order[0]]
@@ -401,4 +411,5 @@ class HybridExperts(OffloadExperts):
             swaps=self.swaps,
             uploaded_bytes=self.uploaded_bytes,
             resident=[np.flatnonzero(row >= 0).tolist() for row in self.resident],
+            bookkeeping_s=self.bookkeeping_s,
         )

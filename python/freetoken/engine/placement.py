@@ -1,10 +1,12 @@
-"""Moving a loaded model onto the GPU (``--moe-strategy gpu|offload|hybrid``).
+"""Moving a loaded model onto the GPU (``--moe-strategy gpu|offload|hybrid|cpu``).
 
 Dense weights become :mod:`freetoken.engine.gpu_layers` layers, vectors move as they are, MoE
 feed-forwards become :class:`~freetoken.engine.gpu_moe.GpuMoeFFN` over resident or offloaded
 slot pools, and when no layer needs the host during a step, decode steps are replayed as CUDA
 graphs (:mod:`freetoken.engine.cuda_graph`). The model object is changed in place: the same
-``Transformer`` code then runs on the device.
+``Transformer`` code then runs on the device. MoE layers left without slots (``cpu``, or
+experts no GPU kernel serves) are computed by the CPU executor through hybrid's hand-off, so
+their steps are graphs too.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ __all__ = ["Placement", "place_on_gpu"]
 #: Device memory kept free for activations, cuBLAS and ggml-cuda scratch.
 WORKSPACE_BYTES = 1 << 30
 _MIB = 1 << 20
+#: The plan of a hand-off that serves every MoE layer on the CPU.
+NO_SLOTS = CachePlan(
+    pools=(),
+    budget_bytes=0,
+    used_bytes=0,
+    min_bytes=0,
+    all_bytes=0,
+    all_resident=False,
+    explanation="no expert slots",
+)
 
 
 @dataclass
@@ -184,6 +196,10 @@ def place_on_gpu(
             n_ctx, cache_mib, cache_scope, cache_profile, cache_policy, cpu_auto=wanted is None
         )
         experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
+    if experts is None and layers and model.moe is not None and _one_shape(layers):
+        # Nothing for the slots (`cpu`, or no GPU kernel serves the experts): every route
+        # goes through the hand-off to the CPU, so decode steps stay graphs.
+        experts = HybridExperts([], NO_SLOTS, dev, model.moe.executor, cpu_only=layers)
     if experts is not None:
         place.expert_bytes = experts.nbytes
         place.experts = experts
@@ -214,7 +230,9 @@ def place_on_gpu(
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
     # (hybrid's CPU half answers inside the graph).
-    place.graphs = not place.cpu_layers and (not layers or place.strategy in ("gpu", "hybrid"))
+    place.graphs = not place.cpu_layers and (
+        not layers or isinstance(experts, (ResidentExperts, HybridExperts))
+    )
     model.graphs = GraphDecoder(model) if place.graphs else None
     log(place.describe())
     return place

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from freetoken.engine import gpu
 from freetoken.engine.cuda_graph import MAX_BATCH, GraphDecoder
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.moe import MoeContext
@@ -428,10 +429,22 @@ class Transformer:
         return x + f
 
     def _rope(self, x: torch.Tensor, step: Step, blk: Block, n_rot: int) -> torch.Tensor:
+        whole = self._whole_neox(x, n_rot)
+        cos, sin = self._rope_tables(x, step, blk, n_rot, whole)
+        if whole:
+            return x * cos + x.roll(n_rot // 2, -1) * sin
+        return rotate(x, cos, sin, n_rot, self.feat.rope_neox)
+
+    def _whole_neox(self, x: torch.Tensor, n_rot: int) -> bool:
+        """Whether NEOX RoPE rotates ``x``'s whole heads."""
+        return self.feat.rope_neox and n_rot == x.shape[-1]
+
+    def _rope_tables(
+        self, x: torch.Tensor, step: Step, blk: Block, n_rot: int, whole: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # One table per (base, scale) and step, shared by the layers. When NEOX rotates whole
         # heads, the table holds cos/sin for both halves: x * cos + roll(x) * sin is then the
         # whole rotation (fewer kernels on the GPU, the same float operations).
-        whole = self.feat.rope_neox and n_rot == x.shape[-1]
         key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype, whole)
         if key not in step.rope:
             cos, sin = rope_cos_sin(
@@ -446,10 +459,7 @@ class Transformer:
             if whole:
                 cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
             step.rope[key] = (cos, sin)
-        cos, sin = step.rope[key]
-        if whole:
-            return x * cos + x.roll(n_rot // 2, -1) * sin
-        return rotate(x, cos, sin, n_rot, self.feat.rope_neox)
+        return step.rope[key]
 
     def _attention(
         self,
@@ -469,11 +479,19 @@ class Transformer:
         q = q.view(t, cfg.n_heads, cfg.head_dim)
         k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(t, cfg.n_kv_heads, cfg.head_dim_v)
-        if blk.q_norm is not None and blk.k_norm is not None and not self.feat.qk_norm_full:
-            q = rms_norm(q, blk.q_norm, cfg.norm_eps)
-            k = rms_norm(k, blk.k_norm, cfg.norm_eps)
-        q = self._rope(q, step, blk, cfg.rope_dim)
-        k = self._rope(k, step, blk, cfg.rope_dim)
+        head_norm = blk.q_norm is not None and not self.feat.qk_norm_full
+        if q.is_cuda and q.dtype == torch.float32 and self._whole_neox(q, cfg.rope_dim):
+            # One kernel each for q and k: the head norm and the rotation (engine/gpu.py).
+            cos, sin = self._rope_tables(q, step, blk, cfg.rope_dim, whole=True)
+            qn, kn = (blk.q_norm, blk.k_norm) if head_norm else (None, None)
+            q = gpu.norm_rope(q, qn, cos, sin, cfg.norm_eps)
+            k = gpu.norm_rope(k, kn, cos, sin, cfg.norm_eps)
+        else:
+            if head_norm:
+                q = rms_norm(q, blk.q_norm, cfg.norm_eps)
+                k = rms_norm(k, blk.k_norm, cfg.norm_eps)
+            q = self._rope(q, step, blk, cfg.rope_dim)
+            k = self._rope(k, step, blk, cfg.rope_dim)
         window = cfg.sliding_window if blk.swa else 0
         outs, row = [], 0
         for sp in step.spans:
