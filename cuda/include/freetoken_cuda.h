@@ -178,9 +178,28 @@ typedef struct ft_cuda_norm_rope_args {
     void *stream;
 } ft_cuda_norm_rope_args;
 
+/* Softmax routing with renormalized top-k (Qwen, Mixtral) in one kernel instead of a sort, a
+ * softmax, a cast and a count: per token the k largest logits (ties to the lower id), their
+ * ids, and the softmax over those k times `scale` (the renormalized top-k of the full
+ * softmax); `counts[id] += 1` per route when `counts` is set. */
+typedef struct ft_cuda_topk_softmax_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t reserved;
+    int64_t n_tokens, n_experts, top_k; /* n_experts 1..1024, top_k 1..n_experts, at most 32 */
+    int64_t row_stride;                 /* floats from one token's logits to the next's */
+    float scale;
+    int32_t reserved1;
+    const float *logits; /* device [n_tokens][row_stride] */
+    int32_t *ids;        /* device out [n_tokens, top_k] */
+    float *weights;      /* device out [n_tokens, top_k] */
+    int64_t *counts;     /* device [n_experts], or null */
+    void *stream;
+} ft_cuda_topk_softmax_args;
+
 uint32_t ft_cuda_abi_version(void);
 /* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
- * 4 handoff_routes_args, 5 norm_rope_args; 0 if unknown. */
+ * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args; 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -192,6 +211,7 @@ int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
 int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args);
 int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
 int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args);
+int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

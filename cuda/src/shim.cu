@@ -686,6 +686,91 @@ static int32_t norm_rope_locked(const ft_cuda_norm_rope_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "norm_rope");
 }
 
+// ---- Softmax routing: top-k and the renormalized weights in one kernel ----
+
+// (value, id) of the largest value in the block, ties to the lower id, in every thread.
+struct scored {
+    float v;
+    int id;
+};
+
+static __device__ __forceinline__ scored better(scored a, scored b) {
+    return (b.v > a.v || (b.v == a.v && b.id < a.id)) ? b : a;
+}
+
+static __device__ scored block_max(scored x) {
+    __shared__ scored part[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        x = better(x, {__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.id, o)});
+    }
+    const int lane = threadIdx.x % 32;
+    __syncthreads();  // part may still be read by the previous call
+    if (lane == 0) {
+        part[threadIdx.x / 32] = x;
+    }
+    __syncthreads();
+    x = lane < (int)(blockDim.x / 32) ? part[lane] : scored{-INFINITY, INT_MAX};
+    for (int o = 16; o > 0; o >>= 1) {
+        x = better(x, {__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.id, o)});
+    }
+    return x;
+}
+
+// One block per token, a thread per expert: k rounds of a block-wide arg-max.
+static __global__ void topk_softmax_kernel(ft_cuda_topk_softmax_args a) {
+    const int64_t t = blockIdx.x;
+    const int e = threadIdx.x, k = (int)a.top_k;
+    const float logit = e < a.n_experts ? a.logits[t * a.row_stride + e] : -INFINITY;
+    const float mine = isnan(logit) ? -INFINITY : logit;  // a total order: ids stay in range
+    bool open = e < a.n_experts;  // not taken yet; any open expert beats padding and taken ones
+    __shared__ float vals[32];
+    __shared__ int ids[32];
+    for (int j = 0; j < k; ++j) {
+        const scored best = block_max(open ? scored{mine, e} : scored{-INFINITY, INT_MAX});
+        if (threadIdx.x == 0) {
+            vals[j] = best.v;
+            ids[j] = best.id;
+        }
+        open = open && e != best.id;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            sum += expf(vals[j] - vals[0]);
+        }
+        for (int j = 0; j < k; ++j) {
+            a.ids[t * k + j] = ids[j];
+            a.weights[t * k + j] = expf(vals[j] - vals[0]) / sum * a.scale;
+            if (a.counts != nullptr) {
+                atomicAdd((unsigned long long *)&a.counts[ids[j]], 1ull);
+            }
+        }
+    }
+}
+
+static int32_t topk_softmax_locked(const ft_cuda_topk_softmax_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.logits == nullptr || a.ids == nullptr || a.weights == nullptr) {
+        return fail(FT_CUDA_EINVAL, "topk_softmax: logits, ids and weights must be non-null");
+    }
+    if (a.n_tokens < 1 || a.n_tokens > INT32_MAX || a.n_experts < 1 || a.n_experts > 1024 || a.top_k < 1 ||
+        a.top_k > 32 || a.top_k > a.n_experts || a.row_stride < a.n_experts ||
+        a.n_tokens * a.row_stride > MAX_ELEMENTS) {
+        return fail(FT_CUDA_ESHAPE, "topk_softmax: bad sizes (tokens %lld, experts %lld, top-k %lld, stride %lld)",
+                    (long long)a.n_tokens, (long long)a.n_experts, (long long)a.top_k, (long long)a.row_stride);
+    }
+    device_guard dg(a.device);
+    cudaGetLastError();
+    const int threads = (int)((a.n_experts + 31) / 32 * 32);
+    topk_softmax_kernel<<<(unsigned)a.n_tokens, threads, 0, as_stream(a.stream)>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "topk_softmax");
+}
+
 FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
 
 FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
@@ -696,6 +781,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 3: return sizeof(ft_cuda_handoff_args);
         case 4: return sizeof(ft_cuda_handoff_routes_args);
         case 5: return sizeof(ft_cuda_norm_rope_args);
+        case 6: return sizeof(ft_cuda_topk_softmax_args);
         default: return 0;
     }
 }
@@ -790,4 +876,13 @@ FT_EXPORT int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args) {
         return fail(FT_CUDA_EINVAL, "norm_rope: null or wrong struct_size (want %zu)", sizeof(ft_cuda_norm_rope_args));
     }
     return norm_rope_locked(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_topk_softmax_args)) {
+        return fail(FT_CUDA_EINVAL, "topk_softmax: null or wrong struct_size (want %zu)",
+                    sizeof(ft_cuda_topk_softmax_args));
+    }
+    return topk_softmax_locked(*args);
 }

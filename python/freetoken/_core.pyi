@@ -168,6 +168,13 @@ def cuda_handoff_wait_add(
     n: int,
     timeout_ns: int,
 ) -> None: ...
+def cuda_topk_softmax(
+    device: int,
+    stream: int,
+    sizes: tuple[int, int, int, int],
+    scale: float,
+    ptrs: tuple[int, int, int, int],
+) -> None: ...
 def cuda_norm_rope(
     device: int,
     stream: int,

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 /// The library's file name.
 pub const LIB_NAME: &str = "libfreetoken_cuda.so";
 /// The environment variable naming the library (or its folder).
@@ -154,6 +154,24 @@ struct RawNormRopeArgs {
     stream: *mut c_void,
 }
 
+#[repr(C)]
+struct RawTopkSoftmaxArgs {
+    struct_size: u64,
+    device: i32,
+    reserved: i32,
+    n_tokens: i64,
+    n_experts: i64,
+    top_k: i64,
+    row_stride: i64,
+    scale: f32,
+    reserved1: i32,
+    logits: *const f32,
+    ids: *mut i32,
+    weights: *mut f32,
+    counts: *mut i64,
+    stream: *mut c_void,
+}
+
 type FnAbiVersion = unsafe extern "C" fn() -> u32;
 type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -164,6 +182,7 @@ type FnMoe = unsafe extern "C" fn(*const RawMoeArgs) -> i32;
 type FnHandoff = unsafe extern "C" fn(*const RawHandoffArgs) -> i32;
 type FnHandoffRoutes = unsafe extern "C" fn(*const RawHandoffRoutesArgs) -> i32;
 type FnNormRope = unsafe extern "C" fn(*const RawNormRopeArgs) -> i32;
+type FnTopkSoftmax = unsafe extern "C" fn(*const RawTopkSoftmaxArgs) -> i32;
 type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// The library's entry points. The handle is never closed: the library holds CUDA state
@@ -176,6 +195,7 @@ struct Api {
     handoff_wait_add: FnHandoff,
     handoff_routes: FnHandoffRoutes,
     norm_rope: FnNormRope,
+    topk_softmax: FnTopkSoftmax,
     last_error: FnLastError,
 }
 
@@ -434,6 +454,11 @@ impl Cuda {
                     "ft_cuda_norm_rope_args",
                     std::mem::size_of::<RawNormRopeArgs>(),
                 ),
+                (
+                    6,
+                    "ft_cuda_topk_softmax_args",
+                    std::mem::size_of::<RawTopkSoftmaxArgs>(),
+                ),
             ] {
                 let got = struct_size(which);
                 if got != want as u64 {
@@ -449,6 +474,7 @@ impl Cuda {
                 handoff_wait_add: symbol(handle, "ft_cuda_handoff_wait_add")?,
                 handoff_routes: symbol(handle, "ft_cuda_handoff_routes")?,
                 norm_rope: symbol(handle, "ft_cuda_norm_rope")?,
+                topk_softmax: symbol(handle, "ft_cuda_topk_softmax")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
@@ -793,6 +819,86 @@ impl Cuda {
         }
         Ok(())
     }
+
+    /// Queues [`TopkSoftmax`] on its stream: per token the top-k experts by logit and the
+    /// softmax over those k, times the scale; route counts added when given.
+    pub fn topk_softmax(&self, a: &TopkSoftmax) -> Result<()> {
+        self.check_device(a.device)?;
+        check_addrs(&[("logits", a.logits), ("ids", a.ids), ("weights", a.weights)])?;
+        if a.counts != 0 && !a.counts.is_multiple_of(8) {
+            return Err(Error::InvalidInput(format!(
+                "counts: device address {:#x} is not 8-byte aligned",
+                a.counts
+            )));
+        }
+        let total = a.n_tokens.checked_mul(a.row_stride);
+        if a.n_tokens == 0
+            || !(1..=1024).contains(&a.n_experts)
+            || !(1..=32.min(a.n_experts)).contains(&a.top_k)
+            || a.row_stride < a.n_experts
+            || total.is_none_or(|t| t > i32::MAX as usize)
+            || !a.scale.is_finite()
+        {
+            return Err(Error::Shape(format!(
+                "topk_softmax: top-{} of {} experts (1..=1024, k at most 32), {} tokens, \
+                 row stride {}, scale {}",
+                a.top_k, a.n_experts, a.n_tokens, a.row_stride, a.scale
+            )));
+        }
+        let raw = RawTopkSoftmaxArgs {
+            struct_size: std::mem::size_of::<RawTopkSoftmaxArgs>() as u64,
+            device: a.device,
+            reserved: 0,
+            n_tokens: a.n_tokens as i64,
+            n_experts: a.n_experts as i64,
+            top_k: a.top_k as i64,
+            row_stride: a.row_stride as i64,
+            scale: a.scale,
+            reserved1: 0,
+            logits: a.logits as *const f32,
+            ids: a.ids as *mut i32,
+            weights: a.weights as *mut f32,
+            counts: a.counts as *mut i64,
+            stream: a.stream as *mut c_void,
+        };
+        // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
+        // (checked against the tensors by the Python layer) for as long as it runs.
+        let rc = unsafe { (self.api.topk_softmax)(&raw) };
+        if rc != OK {
+            return Err(self.last_error(rc));
+        }
+        Ok(())
+    }
+}
+
+/// Softmax routing with renormalized top-k ([`Cuda::topk_softmax`]): `n_tokens` rows of
+/// `row_stride` floats of router logits at `logits`, the first `n_experts` of each; outputs
+/// `ids` (int32) and `weights` (float32) `[n_tokens, top_k]`; `counts` (`n_experts` int64, 0
+/// for none) gets one per route. Addresses are device memory.
+#[derive(Debug, Clone)]
+pub struct TopkSoftmax {
+    /// CUDA device index.
+    pub device: i32,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Experts (at most 1024).
+    pub n_experts: usize,
+    /// Routes per token (at most 32).
+    pub top_k: usize,
+    /// Floats from one token's logits to the next.
+    pub row_stride: usize,
+    /// Factor on the weights.
+    pub scale: f32,
+    /// Router logits.
+    pub logits: usize,
+    /// Output expert ids.
+    pub ids: usize,
+    /// Output weights.
+    pub weights: usize,
+    /// Route counts per expert, or 0.
+    pub counts: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
 }
 
 /// Attention's q or k after the fused QKV product ([`Cuda::norm_rope`]): `n_tokens` rows of
@@ -1043,6 +1149,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<RawNormRopeArgs>(),
             8 + 8 + 32 + 8 + 40 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawTopkSoftmaxArgs>(),
+            8 + 8 + 32 + 8 + 32 + 8
         );
     }
 

@@ -4,7 +4,9 @@
 
 use crate::errors::IntoPy;
 use freetoken_ggml::GgmlType;
-use ft_cuda::{Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope};
+use ft_cuda::{
+    Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope, TopkSoftmax,
+};
 use pyo3::prelude::*;
 
 /// Registers this module's functions on `_core`.
@@ -18,6 +20,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_handoff_wait_add, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_handoff_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_norm_rope, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     Ok(())
 }
 
@@ -246,4 +249,34 @@ pub fn cuda_norm_rope(
         stream,
     };
     ft_cuda::runtime().and_then(|rt| rt.norm_rope(&a)).py_err()
+}
+
+/// Top-k softmax routing (`ft_cuda::Cuda::topk_softmax`). `sizes` is (n_tokens, n_experts,
+/// top_k, row_stride); `ptrs` (logits, ids, weights, counts or 0).
+#[pyfunction]
+pub fn cuda_topk_softmax(
+    device: i32,
+    stream: usize,
+    sizes: (usize, usize, usize, usize),
+    scale: f32,
+    ptrs: (usize, usize, usize, usize),
+) -> PyResult<()> {
+    let (n_tokens, n_experts, top_k, row_stride) = sizes;
+    let (logits, ids, weights, counts) = ptrs;
+    let a = TopkSoftmax {
+        device,
+        n_tokens,
+        n_experts,
+        top_k,
+        row_stride,
+        scale,
+        logits,
+        ids,
+        weights,
+        counts,
+        stream,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.topk_softmax(&a))
+        .py_err()
 }

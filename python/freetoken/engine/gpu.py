@@ -39,6 +39,7 @@ __all__ = [
     "norm_rope",
     "pool_nbytes",
     "status",
+    "topk_softmax",
 ]
 
 
@@ -449,3 +450,39 @@ def norm_rope(
         ),
     )
     return y
+
+
+#: The most experts and routes per token :func:`topk_softmax` takes (a thread per expert).
+TOPK_MAX_EXPERTS, TOPK_MAX_K = 1024, 32
+
+
+def topk_softmax(
+    logits: torch.Tensor, top_k: int, scale: float = 1.0, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing with renormalized top-k in one kernel on the current stream: per row of
+    router ``logits [T, E]`` (float32, rows any stride) the ``top_k`` largest (ties to the
+    lower id) as int32 ids ``[T, k]`` and the softmax over those k times ``scale`` as float32
+    weights ``[T, k]``; ``counts [E]`` (int64) gets one per route when given."""
+    dev = logits.device
+    if logits.dim() != 2 or logits.dtype != torch.float32 or dev.type != "cuda":
+        raise InvalidInputError("router logits must be a 2-D float32 CUDA tensor")
+    if logits.stride(1) != 1:
+        raise InvalidInputError("router logits must have contiguous rows")
+    t, e = logits.shape
+    if counts is not None:
+        _check(counts, "counts", torch.int64, (e,), dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    _core.cuda_topk_softmax(
+        _device_index(logits),
+        _stream(dev),
+        (t, e, top_k, logits.stride(0) if t > 1 else e),
+        scale,
+        (
+            logits.data_ptr(),
+            ids.data_ptr(),
+            weights.data_ptr(),
+            0 if counts is None else counts.data_ptr(),
+        ),
+    )
+    return ids, weights

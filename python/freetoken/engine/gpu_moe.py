@@ -410,6 +410,12 @@ class GpuMoeFFN:
         # Routes per expert, counted on the device (capturable) and flushed into the
         # engine's counters when read (MoeContext.collect).
         self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
+        self.fused_routing = (
+            routing.softmax_top_k
+            and selection_bias is None
+            and ex.n_experts <= gpu.TOPK_MAX_EXPERTS
+            and routing.top_k <= gpu.TOPK_MAX_K
+        )
 
     def flush_counts(self, counters: _core.MoeCounters) -> None:
         """Adds the routes counted since the last flush to ``counters``."""
@@ -419,9 +425,16 @@ class GpuMoeFFN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        ids, weights = route(self.router(x), self.routing, self.selection_bias)
-        flat = ids.view(-1)
-        self.counts.index_add_(0, flat, gpu.constant(flat.numel(), 1, torch.int64, flat.device))
+        logits = self.router(x)
+        r = self.routing
+        if self.fused_routing and logits.dtype == torch.float32:
+            # Top-k, weights and route counts in one kernel.
+            ids, weights = gpu.topk_softmax(logits, r.top_k, r.weight_scale, self.counts)
+        else:
+            ids, weights = route(logits, r, self.selection_bias)
+            flat = ids.view(-1)
+            ones = gpu.constant(flat.numel(), 1, torch.int64, flat.device)
+            self.counts.index_add_(0, flat, ones)
         out = self.experts.launch(self.ex, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)

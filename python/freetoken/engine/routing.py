@@ -34,6 +34,17 @@ class Routing:
     n_groups: int = 1
     groups_used: int = 1
 
+    @property
+    def softmax_top_k(self) -> bool:
+        """Whether the weights are the renormalized top-k of a softmax with no selection
+        bias or groups: the softmax of the k largest logits (one kernel on the GPU)."""
+        return self.func == "softmax" and self.normalize and self.n_groups == 1
+
+    @property
+    def weight_scale(self) -> float:
+        """The routed scaling factor (1 when the file's 0 means none)."""
+        return self.scale if self.scale != 0.0 else 1.0
+
     def __post_init__(self) -> None:
         if self.func not in ("softmax", "sigmoid", "softmax_weight"):
             raise UnsupportedError(f"expert gating function `{self.func}`")
@@ -65,7 +76,7 @@ def route(
             f"top-{r.top_k} of {e} experts ({r.groups_used} of {r.n_groups} groups used)"
         )
     logits = logits.float()
-    if r.func == "softmax" and r.normalize and bias is None and r.n_groups == 1:
+    if r.softmax_top_k and bias is None:
         # Renormalized top-k of a softmax is the softmax of the top-k logits: two kernels on
         # the GPU instead of six (a decode step runs one per layer).
         # A full sort of the expert logits, then the first k: one kernel on the GPU where
@@ -73,8 +84,8 @@ def route(
         vals, ids = logits.sort(dim=-1, descending=True)
         vals, ids = vals[..., : r.top_k], ids[..., : r.top_k]
         weights = vals.softmax(-1)
-        if r.scale not in (0.0, 1.0):
-            weights = weights * r.scale
+        if r.weight_scale != 1.0:
+            weights = weights * r.weight_scale
         return ids.to(torch.int32).contiguous(), weights.contiguous()
     if r.func == "softmax":
         probs = logits.softmax(-1)
@@ -98,6 +109,6 @@ def route(
         weights = weights.softmax(-1)
     if r.normalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
-    if r.scale not in (0.0, 1.0):
-        weights = weights * r.scale
+    if r.weight_scale != 1.0:
+        weights = weights * r.weight_scale
     return ids.to(torch.int32).contiguous(), weights.contiguous()

@@ -1,7 +1,10 @@
-"""The fused per-head RMSNorm + NEOX RoPE kernel (``gpu.norm_rope``, libfreetoken_cuda) against a
-float64 torch computation of the same formula, and, without the norm, bit for bit against
-torch's float32 ``x * cos + roll(x) * sin`` (the kernel keeps torch's roundings: no FMAs).
-Inputs are slices of a fused QKV product (rows with a stride), as the attention passes them.
+"""The fused kernels of libfreetoken_cuda that replace chains of small torch kernels in a step.
+
+``gpu.norm_rope`` (per-head RMSNorm + NEOX RoPE) against a float64 torch computation of the same
+formula, and, without the norm, bit for bit against torch's float32 ``x * cos + roll(x) * sin``
+(the kernel keeps torch's roundings: no FMAs); inputs are slices of a fused QKV product (rows
+with a stride), as the attention passes them. ``gpu.topk_softmax`` (routing) against torch's
+top-k, a float64 softmax of the chosen logits and a bincount of the routes.
 """
 
 from __future__ import annotations
@@ -73,3 +76,34 @@ def test_bad_input_raises() -> None:
     table = torch.zeros(2, 1, 5, device="cuda")
     with pytest.raises(ShapeError):
         gpu.norm_rope(odd, None, table, table, EPS)
+
+
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 128, 8), (7, 64, 4), (3, 60, 6), (2, 8, 8)])
+def test_topk_softmax_matches_torch(t: int, e: int, k: int) -> None:
+    g = torch.Generator().manual_seed(e + k)
+    fused = torch.randn(t, e + 5, generator=g).cuda() * 4  # logits as a strided slice
+    logits = fused[:, :e]
+    counts = torch.zeros(e, dtype=torch.int64, device="cuda")
+    counts[0] = 3  # added to, not overwritten
+    ids, w = gpu.topk_softmax(logits, k, 2.5, counts)
+    vals, want_ids = logits.topk(k, dim=-1)
+    assert torch.equal(ids.long(), want_ids)
+    want_w = vals.double().softmax(-1) * 2.5
+    assert torch.allclose(w.double(), want_w, rtol=1e-6, atol=1e-7)
+    want_counts = torch.bincount(want_ids.flatten(), minlength=e)
+    want_counts[0] += 3
+    assert torch.equal(counts, want_counts)
+
+
+def test_topk_softmax_ties_and_bad_input() -> None:
+    logits = torch.zeros(2, 16, device="cuda")
+    logits[1, 9] = float("nan")  # never picked ahead of a number, ids stay in range
+    ids, w = gpu.topk_softmax(logits, 4)
+    assert ids[0].tolist() == [0, 1, 2, 3] and torch.allclose(w[0], torch.full_like(w[0], 0.25))
+    assert 9 not in ids[1].tolist()
+    with pytest.raises(ShapeError):
+        gpu.topk_softmax(logits, 33)
+    with pytest.raises(ShapeError):
+        gpu.topk_softmax(torch.zeros(1, 2048, device="cuda"), 4)
+    with pytest.raises(InvalidInputError):
+        gpu.topk_softmax(logits.double(), 4)
