@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(
         args.model,
-        n_ctx=args.p + 64,
+        n_ctx=args.p + 192,
         n_threads=args.threads,
         engine=EngineOptions(
             device="cuda",
@@ -60,7 +60,7 @@ def main() -> None:
     )
     model = llm.model
     tokens = list(range(100, 100 + args.p))
-    cache = model.new_cache(args.p + 64)
+    cache = model.new_cache(args.p + 192)
     model.forward(tokens, cache)  # warm-up
     cache.truncate(0)
     torch.cuda.synchronize()

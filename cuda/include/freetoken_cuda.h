@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 4
+#define FT_CUDA_ABI_VERSION 5
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,

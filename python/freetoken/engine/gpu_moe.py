@@ -167,8 +167,14 @@ def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
     """Pins ``layers`` (:class:`PinnedExperts`) for as long as ``owner`` lives; False at the
     first layer the host refuses (uploads still work, synchronously)."""
     pinned = PinnedExperts()
-    weakref.finalize(owner, pinned.release)
+    # The finalizer holds the pins themselves, not only their release: the pins undo their
+    # registrations when collected, which would otherwise be as soon as this returns.
+    weakref.finalize(owner, _release, pinned)
     return all(pinned.pin(ex) for ex in layers)
+
+
+def _release(pinned: PinnedExperts) -> None:
+    pinned.release()
 
 
 def clear_last_cuda_error() -> None:
