@@ -98,7 +98,8 @@ class HybridStats:
     since; hand-off requests the CPU answered and the seconds it spent answering; experts
     uploaded into slots (fills of free slots, swaps over residents) and bytes uploaded
     (seeding included); each layer's resident expert ids; the seconds the host spent between
-    steps on the slot bookkeeping and starting uploads (the GPU idles meanwhile)."""
+    steps on the slot bookkeeping and starting uploads (the GPU idles meanwhile; the policy's
+    own work overlaps the next step and is not counted)."""
 
     layers: list[int]
     routes: np.ndarray
@@ -194,6 +195,9 @@ class HybridExperts(OffloadExperts):
         self.filled_hits = np.zeros(n, dtype=np.int64)
         self.fills = self.swaps = 0
         self.bookkeeping_s = 0.0
+        # The last step's routes (ids, hits [layers, tokens, top_k], active layers) until
+        # the policy has seen them.
+        self.last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- the step -------------------------------------------------------------------------
 
@@ -226,10 +230,22 @@ class HybridExperts(OffloadExperts):
 
     def end(self) -> None:
         """After a step (also one that raised): waits for the GPU and the CPU thread, raises
-        what went wrong, else does the slot bookkeeping and starts the uploads."""
+        what went wrong, else counts the step's routes. The slot policy's work on the
+        previous step's routes runs first, while this step computes (the host would only
+        wait), and its uploads start once this step is done: fills and swaps lag one step."""
         if self.ticket is None:
             return
         ticket, self.ticket = self.ticket, None
+        plan = self._plan()
+        try:
+            self._finish(ticket)
+        finally:
+            t0 = time.perf_counter()
+            for cache, pools, ups in plan:  # the pools are idle now, even after a failure
+                self._start_uploads(cache, pools, ups)
+            self.bookkeeping_s += time.perf_counter() - t0
+
+    def _finish(self, ticket: Any) -> None:
         try:
             torch.cuda.current_stream(self.device).synchronize()
         finally:
@@ -307,6 +323,7 @@ class HybridExperts(OffloadExperts):
 
     def _reset(self) -> None:
         """After a failed step: both sides back to sequence 0."""
+        self.last = None
         torch.cuda.synchronize(self.device)
         self.counter.zero_()
         self.block[:] = 0
@@ -314,7 +331,7 @@ class HybridExperts(OffloadExperts):
     # -- between steps ----------------------------------------------------------------------
 
     def _account(self, t: int) -> None:
-        """The step's routes: hit counters, the policy's bookkeeping, uploads of misses."""
+        """The step's routes: hit counters; the routes are kept for the policy's next plan."""
         n, k = len(self.served), self.top_k
         # The layers that went through the hand-off this step (a streamed step: the
         # slotless ones only); the others' rows of `ids` are an older step's.
@@ -326,6 +343,16 @@ class HybridExperts(OffloadExperts):
         self.hits += hit.sum(axis=1)
         self.seeded_hits += (hit & (origin == SEEDED)).sum(axis=1)
         self.filled_hits += (hit & (origin == FILLED)).sum(axis=1)
+        self.last = (ids.reshape(n, t, k).copy(), hit.reshape(n, t, k), active)
+
+    def _plan(self) -> list[tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]]:
+        """The policy's bookkeeping of the last counted step's routes, and which misses to
+        upload where (up to FILLS_PER_STEP, of them SWAPS_PER_STEP over residents)."""
+        if self.last is None:
+            return []
+        ids, hit, active = self.last
+        self.last = None
+        n = len(self.served)
         fills, swaps = FILLS_PER_STEP, SWAPS_PER_STEP
         batches: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = {}
         self.steps += 1
@@ -335,9 +362,8 @@ class HybridExperts(OffloadExperts):
             if not active[pos] or li in self.cpu_only:
                 continue
             cache, pools = self.of_layer[li]
-            routes = np.ascontiguousarray(ids[pos].reshape(t, k))
-            cache.lookup(li, routes)
-            missed = np.unique(routes[~hit[pos].reshape(t, k)])
+            cache.lookup(li, ids[pos])
+            missed = np.unique(ids[pos][~hit[pos]])
             free = self.free[id(cache)]
             cap = min(fills, free) if free else (swaps if self.policy == "adaptive" else 0)
             if not missed.size or cap <= 0:
@@ -353,8 +379,7 @@ class HybridExperts(OffloadExperts):
                 batches.setdefault(id(cache), (cache, pools, []))[2].extend(ups)
             if fills <= 0:
                 break
-        for cache, pools, ups in batches.values():
-            self._start_uploads(cache, pools, ups)
+        return list(batches.values())
 
     def _set_resident(self, entries: list[tuple[int, int, int]]) -> None:
         """(position, expert, slot or -1) into both tables; on the current stream, so before
