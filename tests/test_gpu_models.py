@@ -17,6 +17,7 @@ the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0). Dense weights run bo
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +264,8 @@ def test_hybrid_splits_prompts_and_fills(
     llm = LLM(path, n_ctx=256, engine=opts)
     assert llm.placement is not None and llm.placement.graphs
     experts = llm.placement.experts
+    gc.collect()  # the experts' host bytes stay page-locked while the pools live
+    assert experts.pinned and all(ex.host(0, 0, 1).is_pinned() for ex in experts.layers.values())
     for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
         first = len(llm.tokenize(prompt)) - 1
         _check("qwen3moe", f"hybrid {policy} split prefill", ref, llm.logits(seq)[first:-1].numpy())
