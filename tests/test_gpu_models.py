@@ -144,6 +144,32 @@ def test_gpu_matches_cpu(
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
 
 
+def test_capture_with_garbage_that_unpins(model_files: dict[str, Path]) -> None:
+    """A decode graph captured while page-locked memory waits in cyclic garbage: its finalizer
+    (cudaHostUnregister, as dropped pools run) must not run inside the capture, which it would
+    invalidate; with a collection after nearly every allocation, one would."""
+    import weakref
+
+    from freetoken.engine.hybrid import MappedHost
+
+    llm = _gpu_llm(model_files["qwen3moe"], "hybrid", "quant")
+    tokens = llm.tokenize(PROMPTS[0])
+    cache = llm.model.new_cache(64)
+    llm.model.forward(tokens, cache)
+    host = MappedHost({"junk": (np.uint8, (1 << 16,))})
+    host.cycle = host  # type: ignore[attr-defined]  # only the collector frees it
+    gone = weakref.ref(host)
+    del host
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        logits = llm.model.forward([tokens[-1]], cache)  # one sequence: captured at once
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert gone() is None and np.isfinite(logits.numpy()).all()
+
+
 def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> None:
     """A decode graph captured on a cache stays right when a longer prompt then runs on the
     same cache (``freetoken profile``, chat turns): nothing a captured graph reads is freed

@@ -12,6 +12,7 @@ set has come :data:`SETTLE_STEPS` steps in a row.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -112,8 +113,17 @@ class GraphDecoder:
             for _ in range(2):
                 self._forward(caches, n_keys)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, stream=self.stream):
-            logits = self._forward(caches, n_keys)
+        # No garbage collection during the capture: finalizers of dropped pools unregister
+        # page-locked memory (cudaHostUnregister), which invalidates a capture in progress
+        # (seen as an abort in the next ggml-cuda call of the GPU test suite).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool, stream=self.stream):
+                logits = self._forward(caches, n_keys)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream().wait_stream(self.stream)
         decoder = weakref.ref(self)
 
