@@ -502,6 +502,15 @@ impl Cuda {
         self.n_devices
     }
 
+    /// `Ok` for the library's OK, else its error and message.
+    fn status(&self, rc: i32) -> Result<()> {
+        if rc == OK {
+            Ok(())
+        } else {
+            Err(self.last_error(rc))
+        }
+    }
+
     fn last_error(&self, code: i32) -> Error {
         // SAFETY: the library returns its thread-local message, valid until its next call here.
         let msg = unsafe { CStr::from_ptr((self.api.last_error)()) }
@@ -604,11 +613,7 @@ impl Cuda {
         };
         // SAFETY: the arguments were checked above; the memory behind the addresses is the
         // caller's device memory, sized as checked.
-        let rc = unsafe { (self.api.expert_matmul)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.expert_matmul)(&raw) })
     }
 
     /// Runs a [`MoeLayer`] on its stream (asynchronously unless `check_ids`).
@@ -665,11 +670,7 @@ impl Cuda {
             reserved1: 0,
         };
         // SAFETY: as in expert_matmul.
-        let rc = unsafe { (self.api.moe_layer)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.moe_layer)(&raw) })
     }
 
     /// Queues the wait for the host's answer to the latest request on `h.stream`, then
@@ -705,11 +706,7 @@ impl Cuda {
         };
         // SAFETY: the library checks that the block and src are registered host memory and
         // only queues a kernel; the caller owns the memory for as long as it runs.
-        let rc = unsafe { (self.api.handoff_wait_add)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.handoff_wait_add)(&raw) })
     }
 
     /// Queues one layer's side of a hand-off request ([`HandoffRoutes`]): copies for the
@@ -760,11 +757,7 @@ impl Cuda {
         };
         // SAFETY: the library checks the host buffers are registered and only queues a kernel;
         // the caller owns every buffer of the stated size for as long as it runs.
-        let rc = unsafe { (self.api.handoff_routes)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.handoff_routes)(&raw) })
     }
 
     /// Queues [`NormRope`] on its stream: RMSNorm per head (when a weight is given) and NEOX
@@ -783,9 +776,7 @@ impl Cuda {
             )));
         }
         let heads = a.n_heads.checked_mul(d);
-        let total = a.n_tokens.checked_mul(a.row_stride);
-        if heads.is_none_or(|h| a.row_stride < h)
-            || total.is_none_or(|t| t > i32::MAX as usize)
+        if heads.is_none_or(|h| !strided_rows_fit(a.n_tokens, a.row_stride, h))
             || !a.eps.is_finite()
             || a.eps < 0.0
         {
@@ -813,11 +804,7 @@ impl Cuda {
         };
         // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
         // (checked against the tensors by the Python layer) for as long as it runs.
-        let rc = unsafe { (self.api.norm_rope)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.norm_rope)(&raw) })
     }
 
     /// Queues [`TopkSoftmax`] on its stream: per token the top-k experts by logit and the
@@ -831,12 +818,10 @@ impl Cuda {
                 a.counts
             )));
         }
-        let total = a.n_tokens.checked_mul(a.row_stride);
         if a.n_tokens == 0
             || !(1..=1024).contains(&a.n_experts)
             || !(1..=32.min(a.n_experts)).contains(&a.top_k)
-            || a.row_stride < a.n_experts
-            || total.is_none_or(|t| t > i32::MAX as usize)
+            || !strided_rows_fit(a.n_tokens, a.row_stride, a.n_experts)
             || !a.scale.is_finite()
         {
             return Err(Error::Shape(format!(
@@ -863,11 +848,7 @@ impl Cuda {
         };
         // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
         // (checked against the tensors by the Python layer) for as long as it runs.
-        let rc = unsafe { (self.api.topk_softmax)(&raw) };
-        if rc != OK {
-            return Err(self.last_error(rc));
-        }
-        Ok(())
+        self.status(unsafe { (self.api.topk_softmax)(&raw) })
     }
 }
 
@@ -1083,6 +1064,15 @@ fn check_tokens(what: &str, n_tokens: usize, n_used: usize, width: usize) -> Res
         )));
     }
     Ok(())
+}
+
+/// Whether `n_rows` rows `row_stride` floats apart hold `width` floats each and stay within
+/// the kernels' 32-bit element offsets.
+fn strided_rows_fit(n_rows: usize, row_stride: usize, width: usize) -> bool {
+    row_stride >= width
+        && n_rows
+            .checked_mul(row_stride)
+            .is_some_and(|t| t <= i32::MAX as usize)
 }
 
 fn check_addrs(addrs: &[(&str, usize)]) -> Result<()> {
