@@ -122,7 +122,7 @@ def gguf_routing(path: Path) -> tuple[int, int]:
 
 def test_json_has_the_expected_keys(measured: tuple[dict[str, Any], Path]) -> None:
     doc, _ = measured
-    assert doc["format"] == "freetoken.bandwidth" and doc["version"] == 1
+    assert doc["format"] == "freetoken.bandwidth" and doc["version"] == 2
     assert {"host", "gpu", "model", "seconds", "measured_at", "kinds"} <= set(doc)
     assert doc["host"]["threads"] == 1 and doc["host"]["cpu"]
     assert doc["model"] == "moe.gguf" and doc["seconds"] == float(SECONDS)
