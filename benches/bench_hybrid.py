@@ -13,8 +13,13 @@ expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``n
 llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the
 lowest-VRAM llama.cpp row when none is). Optionally (first model only) the hand-off's cost per
 MoE layer: ``gpu`` against ``hybrid`` with every expert resident, so every route hits and the
-CPU answers empty requests. A failed run leaves its error in its row; the table and the JSON are
-still written.
+CPU answers empty requests. With ``--time-model`` (the default) ``freetoken bench-bw`` runs
+first on each model, and each hybrid row gets issue 7's time model beside its measured step,
+t = (D + A) / B_g + (1 - h) R / B_c: D the dense weight bytes, A the KV bytes a token reads
+(float32 cache, the mean position of the tg run), R the routed expert bytes per token, h the
+row's hit rate, B_g and B_c bench-bw's device and host read bandwidths (``gpu_t1`` and
+``cpu_t1_with_gpu``) of the same lease. A failed run leaves its error in its row; the table and
+the JSON are still written.
 
     python3 benches/bench_hybrid.py --model UNIFORM.gguf --model ZIPF.gguf \\
         --llama-bench PATH -n 64 -r 3 -t 16 --json out.json
@@ -93,18 +98,90 @@ def _run(cmd: list[str], row: dict[str, Any]) -> str | None:
 
 
 def model_info(path: str) -> dict[str, Any]:
-    """Layer count, MoE layer count and expert bytes (tensors named ``*_exps.*``)."""
+    """Layer count, MoE layer count, expert bytes (tensors named ``*_exps.*``) and the bytes
+    of one position of a float32 KV cache over all layers."""
     from freetoken.gguf import GGUFFile
 
     f = GGUFFile(path)
-    n_layers = int(f.metadata[f"{f.architecture}.block_count"])
+    meta, arch = f.metadata, f.architecture
+    n_layers = int(meta[f"{arch}.block_count"])
     exps = [t for name, t in f.tensors.items() if "_exps." in name]
     moe_layers = {t.name.split(".")[1] for t in exps if t.name.startswith("blk.")}
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    k_len = int(
+        meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads)
+    )
+    v_len = int(meta.get(f"{arch}.attention.value_length", k_len))
     return {
         "n_layers": n_layers,
         "n_moe_layers": len(moe_layers),
         "expert_bytes": sum(t.nbytes for t in exps),
+        "kv_bytes_per_position": n_layers * kv_heads * (k_len + v_len) * 4,
     }
+
+
+def bandwidths(model: str) -> dict[str, Any]:
+    """``freetoken bench-bw`` of ``model``: its one layer kind's figures, or an error."""
+    cmd = [sys.executable, "-m", "freetoken", "bench-bw", "-m", model, "-o", "json"]
+    row: dict[str, Any] = {"cmd": cmd}
+    out = _run(cmd, row)
+    if out is None:
+        return row
+    try:
+        kinds = json.loads(out.strip().splitlines()[-1])["kinds"]
+        if len(kinds) != 1:
+            return row | {"error": f"{len(kinds)} layer kinds: the time model takes one"}
+        (k,) = kinds.values()
+        return row | {
+            "b_gpu_gbps": k["gpu_t1"]["gbps"],
+            "b_cpu_gbps": k["cpu_t1_with_gpu"]["gbps"],
+            "routed_bytes": len(k["layers"]) * k["top_k"] * k["expert_bytes"],
+        }
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        return row | {"error": f"{type(e).__name__}: {e}", "stderr": out[-2000:]}
+
+
+def time_model(entry: dict[str, Any]) -> None:
+    """Issue 7's time model beside each row with a hit rate (``row["time_model"]``)."""
+    bw = entry.get("bandwidth") or {}
+    if "b_cpu_gbps" not in bw:
+        return
+    kv = entry["kv_bytes_per_position"] * entry["n"] / 2  # the tg run's mean position
+    for r in entry["rows"]:
+        if r.get("hit_rate") is None or not r.get("tg") or not r.get("dense_bytes"):
+            continue
+        gpu_s = (r["dense_bytes"] + kv) / (bw["b_gpu_gbps"] * 1e9)
+        cpu_s = (1 - r["hit_rate"]) * bw["routed_bytes"] / (bw["b_cpu_gbps"] * 1e9)
+        r["time_model"] = {
+            "kv_bytes": kv,
+            "model_ms": (gpu_s + cpu_s) * 1e3,
+            "measured_ms": 1e3 / r["tg"],
+            "ratio": (1 / r["tg"]) / (gpu_s + cpu_s),
+        }
+
+
+def print_time_model(entry: dict[str, Any]) -> None:
+    bw = entry.get("bandwidth") or {}
+    if "b_cpu_gbps" not in bw:
+        if bw.get("error"):
+            print(f"\ntime model: bench-bw failed: {_error_line(bw)[:200]}")
+        return
+    print(
+        f"\ntime model ({entry['label']}): t = (D + A) / B_g + (1 - h) R / B_c, B_g "
+        f"{bw['b_gpu_gbps']:.0f} GB/s, B_c {bw['b_cpu_gbps']:.1f} GB/s, R "
+        f"{bw['routed_bytes'] / 1e9:.3f} GB\n"
+    )
+    print("| config | h | D + A, GB | model ms | measured ms | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in entry["rows"]:
+        tm = r.get("time_model")
+        if tm:
+            print(
+                f"| {r['config']} | {r['hit_rate']:.3f} | "
+                f"{(r['dense_bytes'] + tm['kv_bytes']) / 1e9:.3f} | {tm['model_ms']:.2f} | "
+                f"{tm['measured_ms']:.2f} | {tm['ratio']:.2f} |"
+            )
 
 
 def default_ncmoe(n_layers: int, fraction: float) -> list[int]:
@@ -361,6 +438,12 @@ def main() -> None:
         default=True,
         help="measure the hand-off cost per MoE layer on the first model",
     )
+    ap.add_argument(
+        "--time-model",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run freetoken bench-bw per model and set issue 7's time model beside each row",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -399,6 +482,8 @@ def main() -> None:
             continue
         entry["cache_mib"] = int(args.fraction * entry["expert_bytes"] / _MIB)
         entry["ncmoe"] = ncmoe_arg or default_ncmoe(entry["n_layers"], args.fraction)
+        if args.time_model:
+            entry["bandwidth"] = bandwidths(model)
         for v in entry["ncmoe"]:
             entry["rows"].append(llama(args, model, v))
             save()
@@ -406,7 +491,9 @@ def main() -> None:
             entry["rows"].append(freetoken(args, model, c, entry["cache_mib"]))
             save()
         set_reference(entry)
+        time_model(entry)
         print_table(entry)
+        print_time_model(entry)
         if i == 0 and args.handoff_cost:
             entry["handoff"] = handoff_cost(args, entry)
         save()
