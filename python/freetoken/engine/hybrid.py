@@ -11,9 +11,10 @@ the CPU thread (``MoeExecutor.serve_handoffs``, polling the same word) has writt
 routes' sum and its answer, then adds the rows (``gpu.handoff_wait_add``). So a whole decode step is
 still one CUDA graph, and eager steps never block Python.
 
-Between steps the engine does the bookkeeping the slot policy needs (LRU or adaptive route
-counts), then uploads selected misses on the copy stream, off the critical path: into free
-slots (any policy), and with ``--moe-cache-adaptive`` also over cold residents. An upload's
+While a step computes, the host does the slot policy's bookkeeping on the previous step's
+routes (LRU or adaptive route counts); once the step is done, it uploads the misses chosen
+on the copy stream, off the critical path: into free slots (any policy), and with
+``--moe-cache-adaptive`` also over cold residents. An upload's
 expert is taken off the device table before the copy starts and put back only once the copy
 has finished, so no step reads a slot being written. Steps of many tokens (prefill chunks)
 split the same way unless the bandwidth profile (``freetoken bench-bw``) says that streaming
