@@ -8,7 +8,8 @@
 //! with AVX-512 VNNI the kernels here hold two rows side by side in each 512-bit register, four
 //! rows per call, and share the activation's loads and scale between them: one thread computes
 //! Q4_0 rows at ~28 GB/s. Each row's result is bit-identical to ggml's own AVX2
-//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0`: the same exact integer sum per 4-value
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` (and the K-quants' and
+//! IQ4_XS's in `avx512_k`): the same exact integer sum per 4-value
 //! lane, the same f32 product of the two fp16 block scales, the same chain of fused
 //! multiply-adds over the blocks and the same horizontal sum, only for two rows per
 //! instruction; with several activation rows each weight block is unpacked once for all of
@@ -201,17 +202,25 @@ mod avx512 {
     /// Bytes of a Q5_0 block: fp16 scale, the 32 values' fifth bits (a little-endian u32, bit
     /// j for value j), their low 4 bits packed as Q4_0's; value = (bits | fifth << 4) - 16.
     const Q5_0_BLOCK: usize = 22;
+    /// Bytes of an MXFP4 block: an E8M0 scale, 32 4-bit indices into ggml's `kvalues_mxfp4`
+    /// packed as Q4_0's values.
+    const MXFP4_BLOCK: usize = 17;
+    /// ggml's `kvalues_mxfp4` (e2m1 values, doubled) plus 12: unsigned bytes for dpbusd, the
+    /// 12 taken off through the activation's sum as the other types' offsets.
+    const MXFP4_PLUS_12: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 
     /// The weight types of the group kernels (const generic parameters).
     pub(super) const Q4: u8 = 0;
     const Q5: u8 = 1;
     const Q8: u8 = 2;
+    const MX: u8 = 3;
 
     /// A block's bytes and the offset its values are stored with (as unsigned bytes).
     const fn layout(kind: u8) -> (usize, i8) {
         match kind {
             Q4 => (Q4_0_BLOCK, 8),
             Q5 => (Q5_0_BLOCK, 16),
+            MX => (MXFP4_BLOCK, 12),
             _ => (Q8_0_BLOCK, i8::MIN),
         }
     }
@@ -247,6 +256,7 @@ mod avx512 {
             (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], Some(tile::<Q4, 1>)),
             (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], Some(tile::<Q5, 1>)),
             (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], Some(tile::<Q8, 1>)),
+            (GgmlType::MXFP4, _) => fns([tile::<MX, 8>, tile::<MX, 4>], Some(tile::<MX, 1>)),
             _ => None,
         }
     }
@@ -320,6 +330,10 @@ mod avx512 {
                 if KIND == Q4 {
                     return z;
                 }
+                if KIND == MX {
+                    let table = _mm_loadu_si128(MXFP4_PLUS_12.as_ptr().cast());
+                    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), z);
+                }
                 // Byte j of the register is element j of a (j < 32), j - 32 of b: bit j of
                 // the two fifth-bit words adds 16.
                 let fifth = |p: *const u8| u64::from(p.cast::<u32>().read_unaligned());
@@ -336,15 +350,17 @@ mod avx512 {
         }
     }
 
-    /// Four rows of Q4_0, Q5_0 or Q8_0 (`KIND`) against `TOK` Q8_0 activation rows, each block
-    /// of the rows unpacked once for all of them.
+    /// Four rows of Q4_0, Q5_0, Q8_0 or MXFP4 (`KIND`) against `TOK` Q8_0 activation rows, each
+    /// block of the rows unpacked once for all of them.
     ///
     /// Per block and 4-value lane, ggml computes the exact integer sum of weight * activation
     /// (whichever instructions it uses, nothing saturates at these magnitudes), converts it to
     /// f32 (exact: at most 65024 in magnitude), and adds d_w * d_a times it to an f32
     /// accumulator with one fused multiply-add; the eight lanes are summed at the end. Here the
     /// integer sum is dpbusd's sum of (w + offset) * a started from -offset * sum(a), which is
-    /// the same integer; the rest is the same operations on the same values.
+    /// the same integer; the rest is the same operations on the same values. ggml's MXFP4 dot
+    /// keeps two accumulators, even and odd blocks, adds them lane by lane before the sum, and
+    /// leaves an odd last block to a scalar tail added after it: so does this.
     ///
     /// # Safety
     /// `w` points at four rows of `row_bytes` bytes, each `blocks` blocks of the weight type,
@@ -359,13 +375,18 @@ mod avx512 {
     ) -> [[f32; GROUP]; TOK] {
         let (block, offset) = layout(KIND);
         let offset = _mm512_set1_epi8(offset);
-        let mut acc = [[_mm512_setzero_ps(); 2]; TOK];
+        // Per token: the even blocks' accumulators (every block's but MXFP4's) and the odd's.
+        let mut acc = [[[_mm512_setzero_ps(); 2]; 2]; TOK];
+        let parity = usize::from(KIND == MX);
+        let vector_blocks = if KIND == MX { blocks & !1 } else { blocks };
+        // Where a block's values start: after its fp16 scale, or MXFP4's scale byte.
+        let values = if KIND == MX { 1 } else { 2 };
         // Four rows read side by side are four short streams that the hardware prefetcher
         // does not follow (5.8 GB/s from DRAM on one thread, against 16 row by row), so the
         // rows PREFETCH_ROWS ahead are prefetched as one sequential stream, a group's share
         // per block. Past the end of the weights a prefetch is a no-op, never a fault.
         let next = w.wrapping_add(PREFETCH_ROWS * row_bytes);
-        for b in 0..blocks {
+        for b in 0..vector_blocks {
             // SAFETY: block b of each activation row and of each of the four weight rows is in
             // bounds (b < blocks, rows 0..4 of row_bytes each), per the contract.
             unsafe {
@@ -377,20 +398,10 @@ mod avx512 {
                 if KIND == Q8 {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128).cast());
                 }
-                let d = |p: *const u8| p.cast::<i16>().read_unaligned();
                 // d_0..d_3 as f32, shared by the tokens.
-                let dw = _mm_cvtph_ps(_mm_set_epi16(
-                    0,
-                    0,
-                    0,
-                    0,
-                    d(x[3]),
-                    d(x[2]),
-                    d(x[1]),
-                    d(x[0]),
-                ));
-                let p01 = pair::<KIND>(x[0].add(2), x[1].add(2));
-                let p23 = pair::<KIND>(x[2].add(2), x[3].add(2));
+                let dw = weight_scales::<KIND>(x);
+                let p01 = pair::<KIND>(x[0].add(values), x[1].add(values));
+                let p23 = pair::<KIND>(x[2].add(values), x[3].add(values));
                 for (acc, a) in acc.iter_mut().zip(acts) {
                     let y = a.add(b * Q8_0_BLOCK);
                     let ya = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(2).cast()));
@@ -399,15 +410,100 @@ mod avx512 {
                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, ya),
                     );
                     // d_r * d_a in lanes 0..4, as ggml's f32 product of the two scales.
-                    let da = _mm_cvtph_ps(_mm_set1_epi16(d(y)));
+                    let da = _mm_cvtph_ps(_mm_set1_epi16(fp16_at(y)));
                     let dd = _mm512_castps128_ps512(_mm_mul_ps(dw, da));
                     let s01 = _mm512_dpbusd_epi32(start, p01, ya);
                     let s23 = _mm512_dpbusd_epi32(start, p23, ya);
-                    scaled_add(dd, [s01, s23], acc);
+                    scaled_add(dd, [s01, s23], &mut acc[b & parity]);
                 }
             }
         }
-        acc.map(|a| row_sums(a))
+        let mut out = acc.map(|[even, odd]| {
+            row_sums([
+                _mm512_add_ps(even[0], odd[0]),
+                _mm512_add_ps(even[1], odd[1]),
+            ])
+        });
+        if vector_blocks < blocks {
+            // SAFETY: the last block of each row and activation, per the contract.
+            unsafe { mxfp4_tail(w, row_bytes, &acts, blocks - 1, &mut out) };
+        }
+        out
+    }
+
+    /// An fp16 scale's bits.
+    ///
+    /// # Safety
+    /// Two readable bytes at `p`.
+    #[inline]
+    unsafe fn fp16_at(p: *const u8) -> i16 {
+        // SAFETY: per the contract.
+        unsafe { p.cast::<i16>().read_unaligned() }
+    }
+
+    /// The four rows' block scales as f32 in lanes 0..4: fp16, or MXFP4's E8M0 halved (as
+    /// ggml's `GGML_E8M0_TO_FP32_HALF`: 2^(e - 128)).
+    ///
+    /// # Safety
+    /// Each of `x` points at a block of the type.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn weight_scales<const KIND: u8>(x: [*const u8; GROUP]) -> __m128 {
+        // SAFETY: a block starts with its scale, per the contract.
+        unsafe {
+            if KIND == MX {
+                let [a, b, c, d] = x.map(|p| e8m0_half(p.read()));
+                _mm_set_ps(d, c, b, a)
+            } else {
+                let [a, b, c, d] = x.map(|p| fp16_at(p));
+                _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
+            }
+        }
+    }
+
+    /// ggml's `ggml_e8m0_to_fp32_half`: 2^(e - 128), subnormal below e = 2.
+    fn e8m0_half(e: u8) -> f32 {
+        f32::from_bits(if e < 2 {
+            0x0020_0000 << e
+        } else {
+            u32::from(e - 1) << 23
+        })
+    }
+
+    /// ggml's scalar tail of the MXFP4 dot for block `b` (an odd last one): per row and token,
+    /// the block's exact integer sum times d_a * d_w, added to the vector part's sum.
+    ///
+    /// # Safety
+    /// As [`group`], for block `b`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn mxfp4_tail<const TOK: usize>(
+        w: *const u8,
+        row_bytes: usize,
+        acts: &[*const u8; TOK],
+        b: usize,
+        out: &mut [[f32; GROUP]; TOK],
+    ) {
+        for (o, a) in out.iter_mut().zip(acts) {
+            // SAFETY: block b of the activation row and of the four rows, per the contract.
+            unsafe {
+                let y = a.add(b * Q8_0_BLOCK);
+                let ya = std::slice::from_raw_parts(y.add(2).cast::<i8>(), 32);
+                let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(fp16_at(y))));
+                for (r, o) in o.iter_mut().enumerate() {
+                    let x = w.add(r * row_bytes + b * MXFP4_BLOCK);
+                    let qs = std::slice::from_raw_parts(x.add(1), 16);
+                    let value = |i: u8| i32::from(MXFP4_PLUS_12[usize::from(i)]) - 12;
+                    let sum: i32 = qs
+                        .iter()
+                        .zip(ya.iter().zip(&ya[16..]))
+                        .map(|(&q, (&lo, &hi))| {
+                            i32::from(lo) * value(q & 0xf) + i32::from(hi) * value(q >> 4)
+                        })
+                        .sum();
+                    *o += da * e8m0_half(x.read()) * sum as f32;
+                }
+            }
+        }
     }
 
     /// `acc[p] += d * s[p]` per lane with one fused multiply-add, for the row pairs (0, 1) and
@@ -460,6 +556,15 @@ mod tests {
     /// every lane and scale path is exercised.
     pub(super) fn random_blocks(t: GgmlType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
         let bs = t.type_size();
+        if t == GgmlType::MXFP4 {
+            // E8M0 scales from 2^-28 to 2^1: finite products, every exponent path but the
+            // subnormal ones (scales 0 and 1 are too small to matter next to the rest).
+            let mut data = bytes(rows * k / 32 * 17, seed);
+            for (i, block) in data.chunks_exact_mut(17).enumerate() {
+                block[0] = 100 + (i * 7 % 30) as u8;
+            }
+            return data;
+        }
         let fp16_at: &[usize] = match t {
             GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
             GgmlType::Q2_K => &[80, 82],
@@ -492,6 +597,7 @@ mod tests {
             GgmlType::IQ4_XS,
             GgmlType::Q2_K,
             GgmlType::Q3_K,
+            GgmlType::MXFP4,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -561,6 +667,7 @@ mod tile_tests {
             GgmlType::IQ4_XS,
             GgmlType::Q2_K,
             GgmlType::Q3_K,
+            GgmlType::MXFP4,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -634,6 +741,7 @@ mod dispatch_tests {
             (GgmlType::IQ4_XS, true),
             (GgmlType::Q2_K, true),
             (GgmlType::Q3_K, true),
+            (GgmlType::MXFP4, true),
             (GgmlType::IQ2_XXS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
