@@ -8,7 +8,7 @@
 //! with AVX-512 VNNI the kernels here hold two rows side by side in each 512-bit register, four
 //! rows per call, and share the activation's loads and scale between them: one thread computes
 //! Q4_0 rows at ~28 GB/s. Each row's result is bit-identical to ggml's own AVX2
-//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` (and the K-quants' and
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` / `_iq4_nl_q8_0` (and the K-quants' and
 //! IQ4_XS's in `avx512_k`): the same exact integer sum per 4-value
 //! lane, the same f32 product of the two fp16 block scales, the same chain of fused
 //! multiply-adds over the blocks and the same horizontal sum, only for two rows per
@@ -205,15 +205,42 @@ mod avx512 {
     /// Bytes of an MXFP4 block: an E8M0 scale, 32 4-bit indices into ggml's `kvalues_mxfp4`
     /// packed as Q4_0's values.
     const MXFP4_BLOCK: usize = 17;
-    /// ggml's `kvalues_mxfp4` (e2m1 values, doubled) plus 12: unsigned bytes for dpbusd, the
-    /// 12 taken off through the activation's sum as the other types' offsets.
-    const MXFP4_PLUS_12: [i8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+    /// Bytes of an IQ4_NL block: fp16 scale, 32 4-bit indices into ggml's `kvalues_iq4nl`
+    /// packed as Q4_0's values.
+    const IQ4_NL_BLOCK: usize = 18;
+    /// ggml's `kvalues_mxfp4` (e2m1 values, doubled) plus 12 and `kvalues_iq4nl` plus 128:
+    /// unsigned bytes for dpbusd, the offset taken off through the activation's sum as the
+    /// other types' offsets.
+    const MXFP4_PLUS_12: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+    const IQ4_NL_PLUS_128: [u8; 16] = [
+        1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241,
+    ];
 
     /// The weight types of the group kernels (const generic parameters).
     pub(super) const Q4: u8 = 0;
     const Q5: u8 = 1;
     const Q8: u8 = 2;
     const MX: u8 = 3;
+    const NL: u8 = 4;
+
+    /// The table-valued types (MXFP4, IQ4_NL): their values' table, offset included. ggml's
+    /// dots for these keep two accumulators (even and odd blocks) and a scalar tail.
+    const fn table(kind: u8) -> Option<&'static [u8; 16]> {
+        match kind {
+            MX => Some(&MXFP4_PLUS_12),
+            NL => Some(&IQ4_NL_PLUS_128),
+            _ => None,
+        }
+    }
+
+    /// Where a block's values start: after its fp16 scale, or MXFP4's scale byte.
+    const fn values_at(kind: u8) -> usize {
+        if kind == MX {
+            1
+        } else {
+            2
+        }
+    }
 
     /// A block's bytes and the offset its values are stored with (as unsigned bytes).
     const fn layout(kind: u8) -> (usize, i8) {
@@ -221,6 +248,7 @@ mod avx512 {
             Q4 => (Q4_0_BLOCK, 8),
             Q5 => (Q5_0_BLOCK, 16),
             MX => (MXFP4_BLOCK, 12),
+            NL => (IQ4_NL_BLOCK, i8::MIN),
             _ => (Q8_0_BLOCK, i8::MIN),
         }
     }
@@ -257,6 +285,7 @@ mod avx512 {
             (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], Some(tile::<Q5, 1>)),
             (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], Some(tile::<Q8, 1>)),
             (GgmlType::MXFP4, _) => fns([tile::<MX, 8>, tile::<MX, 4>], Some(tile::<MX, 1>)),
+            (GgmlType::IQ4_NL, _) => fns([tile::<NL, 8>, tile::<NL, 4>], Some(tile::<NL, 1>)),
             _ => None,
         }
     }
@@ -330,8 +359,8 @@ mod avx512 {
                 if KIND == Q4 {
                     return z;
                 }
-                if KIND == MX {
-                    let table = _mm_loadu_si128(MXFP4_PLUS_12.as_ptr().cast());
+                if let Some(table) = table(KIND) {
+                    let table = _mm_loadu_si128(table.as_ptr().cast());
                     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), z);
                 }
                 // Byte j of the register is element j of a (j < 32), j - 32 of b: bit j of
@@ -377,10 +406,9 @@ mod avx512 {
         let offset = _mm512_set1_epi8(offset);
         // Per token: the even blocks' accumulators (every block's but MXFP4's) and the odd's.
         let mut acc = [[[_mm512_setzero_ps(); 2]; 2]; TOK];
-        let parity = usize::from(KIND == MX);
-        let vector_blocks = if KIND == MX { blocks & !1 } else { blocks };
-        // Where a block's values start: after its fp16 scale, or MXFP4's scale byte.
-        let values = if KIND == MX { 1 } else { 2 };
+        let paired = table(KIND).is_some();
+        let parity = usize::from(paired);
+        let vector_blocks = if paired { blocks & !1 } else { blocks };
         // Four rows read side by side are four short streams that the hardware prefetcher
         // does not follow (5.8 GB/s from DRAM on one thread, against 16 row by row), so the
         // rows PREFETCH_ROWS ahead are prefetched as one sequential stream, a group's share
@@ -400,8 +428,9 @@ mod avx512 {
                 }
                 // d_0..d_3 as f32, shared by the tokens.
                 let dw = weight_scales::<KIND>(x);
-                let p01 = pair::<KIND>(x[0].add(values), x[1].add(values));
-                let p23 = pair::<KIND>(x[2].add(values), x[3].add(values));
+                let v = values_at(KIND);
+                let p01 = pair::<KIND>(x[0].add(v), x[1].add(v));
+                let p23 = pair::<KIND>(x[2].add(v), x[3].add(v));
                 for (acc, a) in acc.iter_mut().zip(acts) {
                     let y = a.add(b * Q8_0_BLOCK);
                     let ya = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(2).cast()));
@@ -426,7 +455,7 @@ mod avx512 {
         });
         if vector_blocks < blocks {
             // SAFETY: the last block of each row and activation, per the contract.
-            unsafe { mxfp4_tail(w, row_bytes, &acts, blocks - 1, &mut out) };
+            unsafe { table_tail::<KIND, TOK>(w, row_bytes, &acts, blocks - 1, &mut out) };
         }
         out
     }
@@ -470,29 +499,34 @@ mod avx512 {
         })
     }
 
-    /// ggml's scalar tail of the MXFP4 dot for block `b` (an odd last one): per row and token,
-    /// the block's exact integer sum times d_a * d_w, added to the vector part's sum.
+    /// ggml's scalar tail of the MXFP4 and IQ4_NL dots for block `b` (an odd last one): per
+    /// row and token, the block's exact integer sum times d_a * d_w, added to the vector
+    /// part's sum.
     ///
     /// # Safety
     /// As [`group`], for block `b`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-    unsafe fn mxfp4_tail<const TOK: usize>(
+    unsafe fn table_tail<const KIND: u8, const TOK: usize>(
         w: *const u8,
         row_bytes: usize,
         acts: &[*const u8; TOK],
         b: usize,
         out: &mut [[f32; GROUP]; TOK],
     ) {
-        for (o, a) in out.iter_mut().zip(acts) {
-            // SAFETY: block b of the activation row and of the four rows, per the contract.
-            unsafe {
+        let (block, offset) = layout(KIND);
+        let table = table(KIND).expect("a table type");
+        let value = |i: u8| i32::from(table[usize::from(i)]) - i32::from(offset as u8);
+        let x = [0, 1, 2, 3].map(|r| w.wrapping_add(r * row_bytes + b * block));
+        let mut dw = [0f32; GROUP];
+        // SAFETY: block b of the four rows and of each activation row, per the contract.
+        unsafe {
+            _mm_storeu_ps(dw.as_mut_ptr(), weight_scales::<KIND>(x));
+            for (o, a) in out.iter_mut().zip(acts) {
                 let y = a.add(b * Q8_0_BLOCK);
                 let ya = std::slice::from_raw_parts(y.add(2).cast::<i8>(), 32);
                 let da = _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(fp16_at(y))));
-                for (r, o) in o.iter_mut().enumerate() {
-                    let x = w.add(r * row_bytes + b * MXFP4_BLOCK);
-                    let qs = std::slice::from_raw_parts(x.add(1), 16);
-                    let value = |i: u8| i32::from(MXFP4_PLUS_12[usize::from(i)]) - 12;
+                for ((o, x), dw) in o.iter_mut().zip(x).zip(dw) {
+                    let qs = std::slice::from_raw_parts(x.add(values_at(KIND)), 16);
                     let sum: i32 = qs
                         .iter()
                         .zip(ya.iter().zip(&ya[16..]))
@@ -500,7 +534,8 @@ mod avx512 {
                             i32::from(lo) * value(q & 0xf) + i32::from(hi) * value(q >> 4)
                         })
                         .sum();
-                    *o += da * e8m0_half(x.read()) * sum as f32;
+                    // As ggml's `sumf += d * (sumi1 + sumi2)`: a product, then a sum.
+                    *o += da * dw * sum as f32;
                 }
             }
         }
@@ -598,6 +633,7 @@ mod tests {
             GgmlType::Q2_K,
             GgmlType::Q3_K,
             GgmlType::MXFP4,
+            GgmlType::IQ4_NL,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -668,6 +704,7 @@ mod tile_tests {
             GgmlType::Q2_K,
             GgmlType::Q3_K,
             GgmlType::MXFP4,
+            GgmlType::IQ4_NL,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -742,6 +779,7 @@ mod dispatch_tests {
             (GgmlType::Q2_K, true),
             (GgmlType::Q3_K, true),
             (GgmlType::MXFP4, true),
+            (GgmlType::IQ4_NL, true),
             (GgmlType::IQ2_XXS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
