@@ -8,9 +8,9 @@
 //! with AVX-512 VNNI the kernels here hold two rows side by side in each 512-bit register, four
 //! rows per call, and share the activation's loads and scale between them: one thread computes
 //! Q4_0 rows at ~28 GB/s. Each row's result is bit-identical to ggml's own AVX2
-//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` / `_iq4_nl_q8_0` (and the K-quants' and
-//! IQ4_XS's in `avx512_k`): the same exact integer sum per 4-value
-//! lane, the same f32 product of the two fp16 block scales, the same chain of fused
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` / `_iq4_nl_q8_0`
+//! (the K-quants' and IQ4_XS's: `avx512_k`): the same exact integer sum per 4-value
+//! lane, the same f32 product of the two block scales, the same chain of fused
 //! multiply-adds over the blocks and the same horizontal sum, only for two rows per
 //! instruction; with several activation rows each weight block is unpacked once for all of
 //! them. Other types and CPUs, and a ggml built without AVX2 (whose kernels round
