@@ -8,8 +8,9 @@
 //! with AVX-512 VNNI the kernels here hold two rows side by side in each 512-bit register, four
 //! rows per call, and share the activation's loads and scale between them: one thread computes
 //! Q4_0 rows at ~28 GB/s. Each row's result is bit-identical to ggml's own AVX2
-//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` / `_iq4_nl_q8_0`
-//! (the K-quants' and IQ4_XS's: `avx512_k`): the same exact integer sum per 4-value
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_mxfp4_q8_0` / `_iq4_nl_q8_0` /
+//! `_q4_1_q8_1` / `_q5_1_q8_1` (the K-quants' and IQ4_XS's: `avx512_k`): the same exact integer
+//! sum per 4-value
 //! lane, the same f32 product of the two block scales, the same chain of fused
 //! multiply-adds over the blocks and the same horizontal sum, only for two rows per
 //! instruction; with several activation rows each weight block is unpacked once for all of
@@ -202,6 +203,14 @@ mod avx512 {
     /// Bytes of a Q5_0 block: fp16 scale, the 32 values' fifth bits (a little-endian u32, bit
     /// j for value j), their low 4 bits packed as Q4_0's; value = (bits | fifth << 4) - 16.
     const Q5_0_BLOCK: usize = 22;
+    /// Bytes of a Q8_1 block (Q4_1's and Q5_1's activations): fp16 scale d, fp16 s = d * the
+    /// sum of the values, 32 signed values.
+    const Q8_1_BLOCK: usize = 36;
+    /// Bytes of a Q4_1 block: fp16 scale d and minimum m, 32 4-bit values packed as Q4_0's;
+    /// value = d * bits + m.
+    const Q4_1_BLOCK: usize = 20;
+    /// Bytes of a Q5_1 block: fp16 d and m, then Q5_0's fifth bits and nibbles.
+    const Q5_1_BLOCK: usize = 24;
     /// Bytes of an MXFP4 block: an E8M0 scale, 32 4-bit indices into ggml's `kvalues_mxfp4`
     /// packed as Q4_0's values.
     const MXFP4_BLOCK: usize = 17;
@@ -222,6 +231,23 @@ mod avx512 {
     const Q8: u8 = 2;
     const MX: u8 = 3;
     const NL: u8 = 4;
+    const Q41: u8 = 5;
+    const Q51: u8 = 6;
+
+    /// Q4_1 and Q5_1: a minimum per block, activations in Q8_1 whose block sums ggml adds
+    /// times the minima, one scalar chain per row, after the vector sum.
+    const fn with_min(kind: u8) -> bool {
+        kind == Q41 || kind == Q51
+    }
+
+    /// Bytes of an activation block: Q8_1 for the types with a minimum, else Q8_0.
+    const fn act_block(kind: u8) -> usize {
+        if with_min(kind) {
+            Q8_1_BLOCK
+        } else {
+            Q8_0_BLOCK
+        }
+    }
 
     /// The table-valued types (MXFP4, IQ4_NL): their values' table, offset included. ggml's
     /// dots for these keep two accumulators (even and odd blocks) and a scalar tail.
@@ -233,12 +259,13 @@ mod avx512 {
         }
     }
 
-    /// Where a block's values start: after its fp16 scale, or MXFP4's scale byte.
+    /// Where a block's values start: after its fp16 scale, MXFP4's scale byte, or Q4_1's and
+    /// Q5_1's scale and minimum.
     const fn values_at(kind: u8) -> usize {
-        if kind == MX {
-            1
-        } else {
-            2
+        match kind {
+            MX => 1,
+            Q41 | Q51 => 4,
+            _ => 2,
         }
     }
 
@@ -249,6 +276,8 @@ mod avx512 {
             Q5 => (Q5_0_BLOCK, 16),
             MX => (MXFP4_BLOCK, 12),
             NL => (IQ4_NL_BLOCK, i8::MIN),
+            Q41 => (Q4_1_BLOCK, 0),
+            Q51 => (Q5_1_BLOCK, 0),
             _ => (Q8_0_BLOCK, i8::MIN),
         }
     }
@@ -272,6 +301,12 @@ mod avx512 {
         use super::avx512_k::{tile as k, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
+            (GgmlType::Q4_1, GgmlType::Q8_1) => {
+                fns([tile::<Q41, 8>, tile::<Q41, 4>], Some(tile::<Q41, 1>))
+            }
+            (GgmlType::Q5_1, GgmlType::Q8_1) => {
+                fns([tile::<Q51, 8>, tile::<Q51, 4>], Some(tile::<Q51, 1>))
+            }
             // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
             // 130 against 133 at 2048 x 2048; benches/README.md).
             (GgmlType::Q2_K, GgmlType::Q8_K) => fns([k::<Q2K, 8>, k::<Q2K, 4>], None),
@@ -339,8 +374,8 @@ mod avx512 {
         // SAFETY: 16 (Q4_0), 20 (Q5_0) or 32 (Q8_0) readable bytes at each, per the contract.
         unsafe {
             if KIND != Q8 {
-                // Q5_0's nibbles follow its 4 bytes of fifth bits.
-                let (qa, qb) = if KIND == Q5 {
+                // Q5_0's and Q5_1's nibbles follow their 4 bytes of fifth bits.
+                let (qa, qb) = if KIND == Q5 || KIND == Q51 {
                     (a.add(4), b.add(4))
                 } else {
                     (a, b)
@@ -356,7 +391,7 @@ mod avx512 {
                 let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 let z = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
                 let z = _mm512_and_si512(z, _mm512_set1_epi8(0x0f));
-                if KIND == Q4 {
+                if KIND == Q4 || KIND == Q41 {
                     return z;
                 }
                 if let Some(table) = table(KIND) {
@@ -406,6 +441,10 @@ mod avx512 {
         let offset = _mm512_set1_epi8(offset);
         // Per token: the even blocks' accumulators (every block's but MXFP4's) and the odd's.
         let mut acc = [[[_mm512_setzero_ps(); 2]; 2]; TOK];
+        // Per token, the four rows' sums of minimum * activation block sum (Q4_1, Q5_1).
+        let mut summs = [_mm_setzero_ps(); TOK];
+        // Where an activation block's values start.
+        let ab = act_block(KIND) - 32;
         let paired = table(KIND).is_some();
         let parity = usize::from(paired);
         let vector_blocks = if paired { blocks & !1 } else { blocks };
@@ -431,9 +470,16 @@ mod avx512 {
                 let v = values_at(KIND);
                 let p01 = pair::<KIND>(x[0].add(v), x[1].add(v));
                 let p23 = pair::<KIND>(x[2].add(v), x[3].add(v));
-                for (acc, a) in acc.iter_mut().zip(acts) {
-                    let y = a.add(b * Q8_0_BLOCK);
-                    let ya = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(2).cast()));
+                // The four rows' minima, for the types that have them.
+                let mw = if with_min(KIND) {
+                    let [a, b, c, d] = x.map(|p| fp16_at(p.add(2)));
+                    _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
+                } else {
+                    _mm_setzero_ps()
+                };
+                for ((acc, summs), a) in acc.iter_mut().zip(&mut summs).zip(acts) {
+                    let y = a.add(b * act_block(KIND));
+                    let ya = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(ab).cast()));
                     let start = _mm512_sub_epi32(
                         _mm512_setzero_si512(),
                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, ya),
@@ -444,6 +490,11 @@ mod avx512 {
                     let s01 = _mm512_dpbusd_epi32(start, p01, ya);
                     let s23 = _mm512_dpbusd_epi32(start, p23, ya);
                     scaled_add(dd, [s01, s23], &mut acc[b & parity]);
+                    if with_min(KIND) {
+                        // ggml's `summs += m * s`: a product, then a sum, per row.
+                        let sy = _mm_cvtph_ps(_mm_set1_epi16(fp16_at(y.add(2))));
+                        *summs = _mm_add_ps(*summs, _mm_mul_ps(mw, sy));
+                    }
                 }
             }
         }
@@ -453,6 +504,16 @@ mod avx512 {
                 _mm512_add_ps(even[1], odd[1]),
             ])
         });
+        if with_min(KIND) {
+            for (o, s) in out.iter_mut().zip(summs) {
+                let mut m = [0f32; GROUP];
+                // SAFETY: four floats' room.
+                unsafe { _mm_storeu_ps(m.as_mut_ptr(), s) };
+                for (o, m) in o.iter_mut().zip(m) {
+                    *o += m;
+                }
+            }
+        }
         if vector_blocks < blocks {
             // SAFETY: the last block of each row and activation, per the contract.
             unsafe { table_tail::<KIND, TOK>(w, row_bytes, &acts, blocks - 1, &mut out) };
@@ -601,7 +662,7 @@ mod tests {
             return data;
         }
         let fp16_at: &[usize] = match t {
-            GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
             GgmlType::Q2_K => &[80, 82],
             GgmlType::Q3_K => &[108],
             GgmlType::Q6_K => &[208],
@@ -634,6 +695,8 @@ mod tests {
             GgmlType::Q3_K,
             GgmlType::MXFP4,
             GgmlType::IQ4_NL,
+            GgmlType::Q4_1,
+            GgmlType::Q5_1,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -705,6 +768,8 @@ mod tile_tests {
             GgmlType::Q3_K,
             GgmlType::MXFP4,
             GgmlType::IQ4_NL,
+            GgmlType::Q4_1,
+            GgmlType::Q5_1,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -780,6 +845,8 @@ mod dispatch_tests {
             (GgmlType::Q3_K, true),
             (GgmlType::MXFP4, true),
             (GgmlType::IQ4_NL, true),
+            (GgmlType::Q4_1, true),
+            (GgmlType::Q5_1, true),
             (GgmlType::IQ2_XXS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
