@@ -472,8 +472,7 @@ mod avx512 {
                 let p23 = pair::<KIND>(x[2].add(v), x[3].add(v));
                 // The four rows' minima, for the types that have them.
                 let mw = if with_min(KIND) {
-                    let [a, b, c, d] = x.map(|p| fp16_at(p.add(2)));
-                    _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
+                    fp16_x4(x.map(|p| p.add(2)))
                 } else {
                     _mm_setzero_ps()
                 };
@@ -545,10 +544,21 @@ mod avx512 {
                 let [a, b, c, d] = x.map(|p| e8m0_half(p.read()));
                 _mm_set_ps(d, c, b, a)
             } else {
-                let [a, b, c, d] = x.map(|p| fp16_at(p));
-                _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
+                fp16_x4(x)
             }
         }
+    }
+
+    /// The fp16 values at the four addresses as f32, lanes 0..4.
+    ///
+    /// # Safety
+    /// Two readable bytes at each.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn fp16_x4(x: [*const u8; GROUP]) -> __m128 {
+        // SAFETY: per the contract.
+        let [a, b, c, d] = x.map(|p| unsafe { fp16_at(p) });
+        _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
     }
 
     /// ggml's `ggml_e8m0_to_fp32_half`: 2^(e - 128), subnormal below e = 2.
