@@ -144,6 +144,24 @@ def test_gpu_matches_cpu(
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
 
 
+def test_auto_without_room_for_slots_serves_experts_on_the_cpu(
+    model_files: dict[str, Path],
+) -> None:
+    """``auto`` with an expert cache too small for top-k slots a pool: every MoE layer on the
+    CPU through the hand-off (decode still a graph), with the CPU engine's outputs."""
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    opts = EngineOptions(device="cuda", moe_strategy="auto", moe_cache_mib=0)
+    llm = LLM(path, n_ctx=256, engine=opts)
+    place = llm.placement
+    assert place is not None and place.strategy == "cpu" and place.graphs
+    assert place.handoff_cpu_layers and not place.cpu_layers
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        _check("qwen3moe", "auto -> cpu prefill", ref, llm.logits(seq)[first:-1].numpy())
+        _check("qwen3moe", "auto -> cpu decode", ref, _decode_logits(llm, seq, first))
+
+
 def test_capture_with_garbage_that_unpins(model_files: dict[str, Path]) -> None:
     """A decode graph captured while page-locked memory waits in cyclic garbage: its finalizer
     (cudaHostUnregister, as dropped pools run) must not run inside the capture, which it would

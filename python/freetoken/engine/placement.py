@@ -304,19 +304,29 @@ def _experts(
     place: Placement,
 ) -> tuple[ResidentExperts | OffloadExperts | HybridExperts | None, str]:
     """The expert pools of ``layers`` (GPU-servable) per ``strategy``, and the strategy
-    (``auto`` resolved); None when ``--moe-cpu-layers auto`` could pin none of them."""
+    (``auto`` resolved); None when ``--moe-cpu-layers auto`` could pin none of them, or when
+    ``auto`` finds no room for even top-k slots a pool (then ``cpu``: the caller serves every
+    layer through the hand-off)."""
     budget = _budget(layers, o, model, dev, place)
 
-    def plan_for(ls: list[ExpertLayer]) -> CachePlan:
+    def plan_for(ls: list[ExpertLayer], within: int = budget) -> CachePlan:
         return plan_pools(
             [ex.spec() for ex in ls],
-            budget,
+            within,
             scope=o.scope,
             profile=o.profile,
             architecture=model.cfg.arch,
             n_layers=model.cfg.n_layers,
         )
 
+    if strategy == "auto" and _one_shape(all_layers):
+        need = plan_for(layers, 1 << 62).min_bytes
+        if budget < need:
+            place.notes.append(
+                f"--moe-strategy auto: cpu (the expert cache's {budget / _MIB:.0f} MiB hold "
+                f"no slots: at least {need / _MIB:.0f} MiB needed)"
+            )
+            return None, "cpu"
     plan = plan_for(layers)
     bw = None
     if strategy in ("auto", "hybrid") and not plan.all_resident:
