@@ -298,7 +298,7 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k, IQ2XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k, IQ2XXS, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
             (GgmlType::Q4_1, GgmlType::Q8_1) => {
@@ -314,6 +314,7 @@ mod avx512 {
             // One token: ggml's IQ2_XXS row kernel is faster (0.22 against 0.24 ms at 2048 x
             // 2048): its grid lookups are the work, and four rows share none of them.
             (GgmlType::IQ2_XXS, GgmlType::Q8_K) => fns([k::<IQ2XXS, 8>, k::<IQ2XXS, 4>], None),
+            (GgmlType::IQ3_XXS, GgmlType::Q8_K) => fns([k::<IQ3XXS, 8>, k::<IQ3XXS, 4>], None),
             (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
             (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
             (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
@@ -711,6 +712,7 @@ mod tests {
             GgmlType::Q4_1,
             GgmlType::Q5_1,
             GgmlType::IQ2_XXS,
+            GgmlType::IQ3_XXS,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -742,6 +744,7 @@ mod tests {
                             | GgmlType::Q6_K
                             | GgmlType::IQ4_XS
                             | GgmlType::IQ2_XXS
+                            | GgmlType::IQ3_XXS
                     )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
@@ -788,6 +791,7 @@ mod tile_tests {
             GgmlType::Q4_1,
             GgmlType::Q5_1,
             GgmlType::IQ2_XXS,
+            GgmlType::IQ3_XXS,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -867,6 +871,7 @@ mod dispatch_tests {
             (GgmlType::Q4_1, true),
             (GgmlType::Q5_1, true),
             (GgmlType::IQ2_XXS, true),
+            (GgmlType::IQ3_XXS, true),
             (GgmlType::IQ2_XS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());

@@ -1,7 +1,7 @@
-//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS or IQ2_XXS against one to eight Q8_K
-//! activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K` /
-//! `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` /
-//! `ggml_vec_dot_iq2_xxs_q8_K` row by row.
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS or IQ3_XXS against one to eight
+//! Q8_K activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K`
+//! / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` /
+//! `_iq2_xxs_q8_K` / `_iq3_xxs_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -14,9 +14,9 @@
 //! two sub-blocks a lane); IQ4_XS's values come from a 16-entry table and its signed 6-bit
 //! scales multiply the lanes directly; Q2_K's mins (one per 16 values) go into the main
 //! accumulator first, times -d_y * dmin_x; Q3_K's values are two low bits less 4 where the
-//! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's values are grid
-//! points (8 unsigned values each) with signs applied to the activation, its scales 2s + 1 per
-//! 32 values, and the result 0.125 x the sum. Here two rows share each 512-bit register and the weights are
+//! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's and IQ3_XXS's
+//! values are grid points (8 or 4 unsigned values each) with signs applied to the activation,
+//! their scales 2s + 1 per 32 values, and the result 0.125 or 0.25 x the sum. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -51,6 +51,10 @@ const IQ4_VALUES: [i8; 16] = [
 /// Bytes of an IQ2_XXS block: fp16 d, then per 32-value sub-block 8 bytes: four indices into
 /// its 256-point grid (8 values each) and a word of four 7-bit sign indices and a 4-bit scale.
 const IQ2_XXS_BLOCK: usize = 66;
+/// Bytes of an IQ3_XXS block: fp16 d, 64 bytes of indices into its 256-point grid (4 values
+/// each, eight a sub-block), then per sub-block a word of four 7-bit sign indices and a 4-bit
+/// scale.
+const IQ3_XXS_BLOCK: usize = 98;
 /// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
 const Q8_K_BLOCK: usize = 292;
 /// Offset of a Q8_K block's sums.
@@ -64,6 +68,7 @@ pub(super) const IQ4XS: u8 = 3;
 pub(super) const Q2K: u8 = 4;
 pub(super) const Q3K: u8 = 5;
 pub(super) const IQ2XXS: u8 = 6;
+pub(super) const IQ3XXS: u8 = 7;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -134,6 +139,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         Q2K => Q2_K_BLOCK,
         Q3K => Q3_K_BLOCK,
         IQ2XXS => IQ2_XXS_BLOCK,
+        IQ3XXS => IQ3_XXS_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -158,7 +164,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
                 Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
                 Q3K => q3_k_sums(x, &y, &mut sumi),
-                IQ2XXS => iq2_xxs_sums(x, &y, &mut sumi),
+                IQ2XXS | IQ3XXS => grid_sums::<KIND, T>(x, &y, &mut sumi),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
@@ -171,9 +177,10 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     }
     for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
         let sums = row_sums(acc);
-        if KIND == IQ2XXS {
-            // ggml's final 0.125 x the sum.
-            *o = sums.map(|s| 0.125 * s);
+        if matches!(KIND, IQ2XXS | IQ3XXS) {
+            // ggml's final 0.125 (IQ2_XXS) or 0.25 (IQ3_XXS) x the sum.
+            let f = if KIND == IQ2XXS { 0.125 } else { 0.25 };
+            *o = sums.map(|s| f * s);
             continue;
         }
         if !matches!(KIND, Q4K | Q5K) {
@@ -537,44 +544,72 @@ unsafe fn fp16_of_rows(x: [*const u8; 4], at: usize) -> __m128 {
     _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h(3), h(2), h(1), h(0)))
 }
 
-/// IQ2_XXS's grid (each point's eight unsigned values as a little-endian u64) and its sign
-/// masks (bit j: value j negated) of the 128 sign indices, read once from ggml's own
-/// dequantization of blocks with d = 8 and scale 0 (so that each value is the grid's).
-struct Iq2xxsTables {
-    grid: [u64; 256],
+/// The grids of IQ2_XXS (eight unsigned values a point, as a little-endian u64) and IQ3_XXS
+/// (four, as a u32), and their shared sign masks (bit j: value j negated) of the 128 sign
+/// indices, read once from ggml's own dequantization of blocks whose d and zero scale make
+/// each value the grid's: no table is copied.
+struct GridTables {
+    grid2: [u64; 256],
+    grid3: [u32; 256],
     signs: [u8; 128],
 }
 
-fn iq2xxs_tables() -> &'static Iq2xxsTables {
-    static TABLES: std::sync::OnceLock<Iq2xxsTables> = std::sync::OnceLock::new();
-    TABLES.get_or_init(|| {
-        use freetoken_ggml::{dequantize, GgmlType};
-        // A block whose sub-block s names the grid points (idx[s]) with sign index sign[s].
-        let values = |idx: [[u8; 4]; 8], sign: [u8; 8]| {
-            let mut b = vec![0u8; IQ2_XXS_BLOCK];
-            b[..2].copy_from_slice(&0x4800u16.to_le_bytes()); // fp16 8.0
-            for s in 0..8 {
-                let signs = u32::from(sign[s]) * 0x0020_4081; // the same index for all four
-                b[2 + 8 * s..6 + 8 * s].copy_from_slice(&idx[s]);
-                b[6 + 8 * s..10 + 8 * s].copy_from_slice(&signs.to_le_bytes());
-            }
-            let mut y = [0f32; 256];
-            dequantize(GgmlType::IQ2_XXS, &b, &mut y).expect("one IQ2_XXS block");
-            y
+/// One IQ2_XXS (`three` false) or IQ3_XXS block whose sub-block s names the grid points
+/// `idx[s]` (the first four for IQ2_XXS), each with sign index `sign[s]` and scale 0, through
+/// ggml's dequantization: d (8 and 4) makes each value the grid's.
+fn grid_block(three: bool, idx: [[u8; 8]; 8], sign: [u8; 8]) -> [f32; 256] {
+    use freetoken_ggml::{dequantize, GgmlType};
+    let (t, size, d, n_idx) = if three {
+        (GgmlType::IQ3_XXS, IQ3_XXS_BLOCK, 0x4400u16, 8) // fp16 4.0
+    } else {
+        (GgmlType::IQ2_XXS, IQ2_XXS_BLOCK, 0x4800u16, 4) // fp16 8.0
+    };
+    let mut b = vec![0u8; size];
+    b[..2].copy_from_slice(&d.to_le_bytes());
+    for s in 0..8 {
+        let word = u32::from(sign[s]) * 0x0020_4081; // the same index for all four groups
+        let (at_idx, at_word) = if three {
+            (2 + 8 * s, 2 + 64 + 4 * s)
+        } else {
+            (2 + 8 * s, 6 + 8 * s)
         };
-        let mut t = Iq2xxsTables {
-            grid: [0; 256],
+        b[at_idx..at_idx + n_idx].copy_from_slice(&idx[s][..n_idx]);
+        b[at_word..at_word + 4].copy_from_slice(&word.to_le_bytes());
+    }
+    let mut y = [0f32; 256];
+    dequantize(t, &b, &mut y).expect("one block");
+    y
+}
+
+fn grid_tables() -> &'static GridTables {
+    static TABLES: std::sync::OnceLock<GridTables> = std::sync::OnceLock::new();
+    TABLES.get_or_init(|| {
+        let mut t = GridTables {
+            grid2: [0; 256],
+            grid3: [0; 256],
             signs: [0; 128],
         };
+        let byte = |v: f32| v as u8;
         for first in (0..256).step_by(32) {
             let idx = std::array::from_fn(|s| std::array::from_fn(|j| (first + 4 * s + j) as u8));
-            for (i, v) in values(idx, [0; 8]).chunks_exact(8).enumerate() {
-                let bytes: [u8; 8] = std::array::from_fn(|j| v[j] as u8);
-                t.grid[first + i] = u64::from_le_bytes(bytes);
+            let y = grid_block(false, idx, [0; 8]);
+            for (i, v) in y.chunks_exact(8).enumerate() {
+                t.grid2[first + i] = u64::from_le_bytes(std::array::from_fn(|j| byte(v[j])));
+            }
+        }
+        for first in (0..256).step_by(64) {
+            let idx = std::array::from_fn(|s| std::array::from_fn(|j| (first + 8 * s + j) as u8));
+            let y = grid_block(true, idx, [0; 8]);
+            for (i, v) in y.chunks_exact(4).enumerate() {
+                t.grid3[first + i] = u32::from_le_bytes(std::array::from_fn(|j| byte(v[j])));
             }
         }
         for first in (0..128).step_by(8) {
-            let y = values([[0; 4]; 8], std::array::from_fn(|s| (first + s) as u8));
+            let y = grid_block(
+                false,
+                [[0; 8]; 8],
+                std::array::from_fn(|s| (first + s) as u8),
+            );
             for s in 0..8 {
                 let v = &y[32 * s..32 * s + 8];
                 t.signs[first + s] = (0..8).fold(0, |m, j| m | u8::from(v[j] < 0.0) << j);
@@ -584,28 +619,43 @@ fn iq2xxs_tables() -> &'static Iq2xxsTables {
     })
 }
 
-/// An IQ2_XXS block of four rows (`x`) against `T` Q8_K blocks (`y`): per 32-value sub-block
-/// ggml's unsigned grid values times the activation with the weights' signs, scaled by 2 x
-/// the 4-bit scale + 1, into `sumi`; returns d of the four rows.
+/// An IQ2_XXS or IQ3_XXS (`KIND`) block of four rows (`x`) against `T` Q8_K blocks (`y`): per
+/// 32-value sub-block ggml's unsigned grid values times the activation with the weights'
+/// signs, scaled by 2 x the 4-bit scale + 1, into `sumi`; returns d of the four rows.
 ///
 /// # Safety
 /// `x` and `y` point at whole blocks; the CPU has the enabled features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-unsafe fn iq2_xxs_sums<const T: usize>(
+unsafe fn grid_sums<const KIND: u8, const T: usize>(
     x: [*const u8; 4],
     y: &[*const u8; T],
     sumi: &mut [[__m512i; 2]; T],
 ) -> __m128 {
-    let tables = iq2xxs_tables();
+    let tables = grid_tables();
     // SAFETY: within the blocks, per the contract.
     unsafe {
         let xd = fp16_of_rows(x, 0);
         for s in 0..8 {
-            // Per row: the sub-block's grid indices, and its word of signs and scale.
-            let idx = x.map(|x| x.add(2 + 8 * s).cast::<[u8; 4]>().read_unaligned());
-            let word = x.map(|x| x.add(6 + 8 * s).cast::<u32>().read_unaligned());
-            let grid = |r: usize, j: usize| tables.grid[usize::from(idx[r][j])] as i64;
+            // Per row: the sub-block's word of signs and scale, and its 32 values as four
+            // u64 (IQ2_XXS: four points of eight) built from the grid.
+            let word_at = if KIND == IQ2XXS {
+                6 + 8 * s
+            } else {
+                66 + 4 * s
+            };
+            let word = x.map(|x| x.add(word_at).cast::<u32>().read_unaligned());
+            let values = |r: usize| -> [i64; 4] {
+                let idx = x[r].add(2 + 8 * s).cast::<[u8; 8]>().read_unaligned();
+                std::array::from_fn(|j| {
+                    if KIND == IQ2XXS {
+                        tables.grid2[usize::from(idx[j])] as i64
+                    } else {
+                        let g = |i: usize| u64::from(tables.grid3[usize::from(idx[i])]);
+                        (g(2 * j) | g(2 * j + 1) << 32) as i64
+                    }
+                })
+            };
             let signs = |r: usize| {
                 (0..4).fold(0u64, |m, j| {
                     m | u64::from(tables.signs[(word[r] >> (7 * j)) as usize & 127]) << (8 * j)
@@ -613,16 +663,8 @@ unsafe fn iq2_xxs_sums<const T: usize>(
             };
             let scale = |r: usize| (2 * (word[r] >> 28) + 1) as i16;
             for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
-                let v = _mm512_set_epi64(
-                    grid(rb, 3),
-                    grid(rb, 2),
-                    grid(rb, 1),
-                    grid(rb, 0),
-                    grid(ra, 3),
-                    grid(ra, 2),
-                    grid(ra, 1),
-                    grid(ra, 0),
-                );
+                let (a, b) = (values(ra), values(rb));
+                let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
                 let neg = signs(ra) | signs(rb) << 32;
                 let sc = join(_mm256_set1_epi16(scale(ra)), _mm256_set1_epi16(scale(rb)));
                 for (acc, y) in sumi.iter_mut().zip(y) {
