@@ -298,7 +298,7 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k, IQ2XXS, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
+        use super::avx512_k::{tile as k, IQ1S, IQ2XXS, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
             (GgmlType::Q4_1, GgmlType::Q8_1) => {
@@ -315,6 +315,7 @@ mod avx512 {
             // 2048): its grid lookups are the work, and four rows share none of them.
             (GgmlType::IQ2_XXS, GgmlType::Q8_K) => fns([k::<IQ2XXS, 8>, k::<IQ2XXS, 4>], None),
             (GgmlType::IQ3_XXS, GgmlType::Q8_K) => fns([k::<IQ3XXS, 8>, k::<IQ3XXS, 4>], None),
+            (GgmlType::IQ1_S, GgmlType::Q8_K) => fns([k::<IQ1S, 8>, k::<IQ1S, 4>], None),
             (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
             (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
             (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
@@ -713,6 +714,7 @@ mod tests {
             GgmlType::Q5_1,
             GgmlType::IQ2_XXS,
             GgmlType::IQ3_XXS,
+            GgmlType::IQ1_S,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -745,6 +747,7 @@ mod tests {
                             | GgmlType::IQ4_XS
                             | GgmlType::IQ2_XXS
                             | GgmlType::IQ3_XXS
+                            | GgmlType::IQ1_S
                     )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
@@ -792,6 +795,7 @@ mod tile_tests {
             GgmlType::Q5_1,
             GgmlType::IQ2_XXS,
             GgmlType::IQ3_XXS,
+            GgmlType::IQ1_S,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -872,6 +876,7 @@ mod dispatch_tests {
             (GgmlType::Q5_1, true),
             (GgmlType::IQ2_XXS, true),
             (GgmlType::IQ3_XXS, true),
+            (GgmlType::IQ1_S, true),
             (GgmlType::IQ2_XS, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());

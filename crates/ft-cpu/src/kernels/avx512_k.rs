@@ -1,7 +1,7 @@
-//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS or IQ3_XXS against one to eight
-//! Q8_K activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K`
-//! / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` /
-//! `_iq2_xxs_q8_K` / `_iq3_xxs_q8_K` row by row.
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS or IQ1_S against one to
+//! eight Q8_K activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` /
+//! `_q3_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` /
+//! `_iq2_xxs_q8_K` / `_iq3_xxs_q8_K` / `_iq1_s_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -16,7 +16,9 @@
 //! accumulator first, times -d_y * dmin_x; Q3_K's values are two low bits less 4 where the
 //! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's and IQ3_XXS's
 //! values are grid points (8 or 4 unsigned values each) with signs applied to the activation,
-//! their scales 2s + 1 per 32 values, and the result 0.125 or 0.25 x the sum. Here two rows share each 512-bit register and the weights are
+//! their scales 2s + 1 per 32 values, and the result 0.125 or 0.25 x the sum; IQ1_S's grid
+//! values are -1, 0 or 1 and its deltas (+-0.125 per 32 values) go through ggml's scalar
+//! chain of d x the activation's sub-block sums, added at the end. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -55,6 +57,12 @@ const IQ2_XXS_BLOCK: usize = 66;
 /// each, eight a sub-block), then per sub-block a word of four 7-bit sign indices and a 4-bit
 /// scale.
 const IQ3_XXS_BLOCK: usize = 98;
+/// Bytes of an IQ1_S block: fp16 d, 32 bytes of the low 8 bits of grid indices (four a
+/// sub-block), then per sub-block a u16: the indices' high 3 bits, a 3-bit scale and the sign
+/// of its delta (bit 15).
+const IQ1_S_BLOCK: usize = 50;
+/// ggml's `IQ1S_DELTA`: IQ1_S's values are grid + or - this.
+const IQ1S_DELTA: f32 = 0.125;
 /// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
 const Q8_K_BLOCK: usize = 292;
 /// Offset of a Q8_K block's sums.
@@ -69,6 +77,7 @@ pub(super) const Q2K: u8 = 4;
 pub(super) const Q3K: u8 = 5;
 pub(super) const IQ2XXS: u8 = 6;
 pub(super) const IQ3XXS: u8 = 7;
+pub(super) const IQ1S: u8 = 8;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -140,12 +149,15 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         Q3K => Q3_K_BLOCK,
         IQ2XXS => IQ2_XXS_BLOCK,
         IQ3XXS => IQ3_XXS_BLOCK,
+        IQ1S => IQ1_S_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
     let lanes_m = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     let mut acc = [[_mm512_setzero_ps(); 2]; T];
     let mut acc_m = [_mm512_setzero_ps(); T];
+    // IQ1_S: per token and row, ggml's scalar sum of d x the deltas' integer share.
+    let mut acc1 = [[0f32; GROUP]; T];
     let next = w.wrapping_add(PREFETCH_ROWS * row_bytes);
     for b in 0..supers {
         // SAFETY: block b of each weight and activation row is in bounds (b < supers), per
@@ -158,6 +170,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             }
             let y: [*const u8; T] = std::array::from_fn(|t| acts[t].add(b * Q8_K_BLOCK));
             let mut sumi = [[_mm512_setzero_si512(); 2]; T];
+            let mut isum1 = [[0i32; GROUP]; T];
             let xd = match KIND {
                 Q4K => q45_k_sums::<false, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
@@ -165,18 +178,30 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
                 Q3K => q3_k_sums(x, &y, &mut sumi),
                 IQ2XXS | IQ3XXS => grid_sums::<KIND, T>(x, &y, &mut sumi),
+                IQ1S => iq1_s_sums(x, &y, &mut sumi, &mut isum1),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
                 let yd = y.cast::<f32>().read_unaligned();
                 // d_y * d_x per row, as ggml's f32 product.
-                let d = _mm512_castps128_ps512(_mm_mul_ps(_mm_set1_ps(yd), xd));
-                scaled_add(d, sumi[t], &mut acc[t]);
+                let dr = _mm_mul_ps(_mm_set1_ps(yd), xd);
+                scaled_add(_mm512_castps128_ps512(dr), sumi[t], &mut acc[t]);
+                if KIND == IQ1S {
+                    let mut d = [0f32; GROUP];
+                    _mm_storeu_ps(d.as_mut_ptr(), dr);
+                    for ((a, d), i) in acc1[t].iter_mut().zip(d).zip(isum1[t]) {
+                        *a += d * i as f32; // ggml's `accum1 += d * sumi1`
+                    }
+                }
             }
         }
     }
-    for ((o, acc), m) in out.iter_mut().zip(acc).zip(acc_m) {
+    for (((o, acc), m), a1) in out.iter_mut().zip(acc).zip(acc_m).zip(acc1) {
         let sums = row_sums(acc);
+        if KIND == IQ1S {
+            *o = std::array::from_fn(|r| sums[r] + IQ1S_DELTA * a1[r]);
+            continue;
+        }
         if matches!(KIND, IQ2XXS | IQ3XXS) {
             // ggml's final 0.125 (IQ2_XXS) or 0.25 (IQ3_XXS) x the sum.
             let f = if KIND == IQ2XXS { 0.125 } else { 0.25 };
@@ -552,6 +577,8 @@ struct GridTables {
     grid2: [u64; 256],
     grid3: [u32; 256],
     signs: [u8; 128],
+    /// IQ1_S's 2048 points of eight values in -1..=1, as int8 bytes of a u64.
+    grid1: Vec<u64>,
 }
 
 /// One IQ2_XXS (`three` false) or IQ3_XXS block whose sub-block s names the grid points
@@ -588,7 +615,29 @@ fn grid_tables() -> &'static GridTables {
             grid2: [0; 256],
             grid3: [0; 256],
             signs: [0; 128],
+            grid1: vec![0; 2048],
         };
+        for first in (0..2048).step_by(32) {
+            // d = 1, scale 0 and a positive delta: each value is the grid's + 0.125.
+            let mut b = [0u8; IQ1_S_BLOCK];
+            b[..2].copy_from_slice(&0x3c00u16.to_le_bytes());
+            for s in 0..8 {
+                let mut qh = 0u16;
+                for l in 0..4 {
+                    let i = first + 4 * s + l;
+                    b[2 + 4 * s + l] = i as u8;
+                    qh |= ((i >> 8) as u16) << (3 * l);
+                }
+                b[34 + 2 * s..36 + 2 * s].copy_from_slice(&qh.to_le_bytes());
+            }
+            let mut y = [0f32; 256];
+            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ1_S, &b, &mut y)
+                .expect("one IQ1_S block");
+            for (i, v) in y.chunks_exact(8).enumerate() {
+                let bytes = std::array::from_fn(|j| ((v[j] - IQ1S_DELTA) as i8) as u8);
+                t.grid1[first + i] = u64::from_le_bytes(bytes);
+            }
+        }
         let byte = |v: f32| v as u8;
         for first in (0..256).step_by(32) {
             let idx = std::array::from_fn(|s| std::array::from_fn(|j| (first + 4 * s + j) as u8));
@@ -666,13 +715,91 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
                 let (a, b) = (values(ra), values(rb));
                 let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
                 let neg = signs(ra) | signs(rb) << 32;
-                let sc = join(_mm256_set1_epi16(scale(ra)), _mm256_set1_epi16(scale(rb)));
-                for (acc, y) in sumi.iter_mut().zip(y) {
-                    let q8 = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 32 * s).cast()));
-                    // ggml's y * sign(x), then the unsigned-by-signed product in int16 pairs.
-                    let sy = _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8);
-                    let p16 = _mm512_maddubs_epi16(v, sy);
-                    acc[p] = _mm512_add_epi32(acc[p], _mm512_madd_epi16(p16, sc));
+                signed_products(v, neg, [scale(ra), scale(rb)], y, s, sumi, p);
+            }
+        }
+        xd
+    }
+}
+
+/// For each token, `sumi[t][p] += madd(maddubs(v, y with the `neg` bytes negated), scales)`
+/// over sub-block `s` of the Q8_K blocks `y`: ggml's sign-trick product of unsigned weight
+/// magnitudes `v` (row pair `p`, row a in the low 256 bits) and signed activations, in int16
+/// pairs, times each row's sub-block scale.
+///
+/// # Safety
+/// `y` points at whole Q8_K blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn signed_products<const T: usize>(
+    v: __m512i,
+    neg: u64,
+    [sa, sb]: [i16; 2],
+    y: &[*const u8; T],
+    s: usize,
+    sumi: &mut [[__m512i; 2]; T],
+    p: usize,
+) {
+    let sc = join(_mm256_set1_epi16(sa), _mm256_set1_epi16(sb));
+    for (acc, y) in sumi.iter_mut().zip(y) {
+        // SAFETY: sub-block s of a Q8_K block, per the contract.
+        let q8 = unsafe { _mm256_loadu_si256(y.add(4 + 32 * s).cast()) };
+        let q8 = _mm512_broadcast_i64x4(q8);
+        let sy = _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8);
+        let p16 = _mm512_maddubs_epi16(v, sy);
+        acc[p] = _mm512_add_epi32(acc[p], _mm512_madd_epi16(p16, sc));
+    }
+}
+
+/// An IQ1_S block of four rows (`x`) against `T` Q8_K blocks (`y`): per 32-value sub-block
+/// the grid values (-1, 0, 1) times the activation, scaled by 2 x the 3-bit scale + 1, into
+/// `sumi`, and ggml's integer share of the deltas (the activation's sub-block sums times the
+/// delta's sign and the scale) into `isum1`; returns d of the four rows.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn iq1_s_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+    isum1: &mut [[i32; GROUP]; T],
+) -> __m128 {
+    let tables = grid_tables();
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let xd = fp16_of_rows(x, 0);
+        for s in 0..8 {
+            let qh = x.map(|x| x.add(34 + 2 * s).cast::<u16>().read_unaligned());
+            let values = |r: usize| -> [i64; 4] {
+                std::array::from_fn(|l| {
+                    let low = usize::from(x[r].add(2 + 4 * s + l).read());
+                    let high = usize::from((qh[r] >> (3 * l)) & 7);
+                    tables.grid1[low | high << 8] as i64
+                })
+            };
+            let scale = |r: usize| (2 * ((qh[r] >> 12) & 7) + 1) as i16;
+            for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+                let (a, b) = (values(ra), values(rb));
+                let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
+                let neg = _mm512_movepi8_mask(v);
+                signed_products(
+                    _mm512_abs_epi8(v),
+                    neg,
+                    [scale(ra), scale(rb)],
+                    y,
+                    s,
+                    sumi,
+                    p,
+                );
+            }
+            for (isum, y) in isum1.iter_mut().zip(y) {
+                let bs = y.add(Q8_K_SUMS + 4 * s).cast::<[i16; 2]>().read_unaligned();
+                let bsum = i32::from(bs[0]) + i32::from(bs[1]);
+                for (r, i) in isum.iter_mut().enumerate() {
+                    let sign = if qh[r] & 0x8000 != 0 { -1 } else { 1 };
+                    *i += bsum * sign * i32::from(scale(r));
                 }
             }
         }
