@@ -298,7 +298,9 @@ mod avx512 {
         if !usable {
             return None;
         }
-        use super::avx512_k::{tile as k, IQ1S, IQ2XXS, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K};
+        use super::avx512_k::{
+            tile as k, IQ1S, IQ2XS, IQ2XXS, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K,
+        };
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
             (GgmlType::Q4_1, GgmlType::Q8_1) => {
@@ -316,6 +318,7 @@ mod avx512 {
             (GgmlType::IQ2_XXS, GgmlType::Q8_K) => fns([k::<IQ2XXS, 8>, k::<IQ2XXS, 4>], None),
             (GgmlType::IQ3_XXS, GgmlType::Q8_K) => fns([k::<IQ3XXS, 8>, k::<IQ3XXS, 4>], None),
             (GgmlType::IQ1_S, GgmlType::Q8_K) => fns([k::<IQ1S, 8>, k::<IQ1S, 4>], None),
+            (GgmlType::IQ2_XS, GgmlType::Q8_K) => fns([k::<IQ2XS, 8>, k::<IQ2XS, 4>], None),
             (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
             (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
             (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
@@ -715,6 +718,7 @@ mod tests {
             GgmlType::IQ2_XXS,
             GgmlType::IQ3_XXS,
             GgmlType::IQ1_S,
+            GgmlType::IQ2_XS,
         ] {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
@@ -748,6 +752,7 @@ mod tests {
                             | GgmlType::IQ2_XXS
                             | GgmlType::IQ3_XXS
                             | GgmlType::IQ1_S
+                            | GgmlType::IQ2_XS
                     )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
@@ -796,6 +801,7 @@ mod tile_tests {
             GgmlType::IQ2_XXS,
             GgmlType::IQ3_XXS,
             GgmlType::IQ1_S,
+            GgmlType::IQ2_XS,
         ] {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
@@ -877,7 +883,8 @@ mod dispatch_tests {
             (GgmlType::IQ2_XXS, true),
             (GgmlType::IQ3_XXS, true),
             (GgmlType::IQ1_S, true),
-            (GgmlType::IQ2_XS, false),
+            (GgmlType::IQ2_XS, true),
+            (GgmlType::IQ3_S, false),
         ] {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");

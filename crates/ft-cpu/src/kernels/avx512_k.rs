@@ -1,7 +1,7 @@
-//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS or IQ1_S against one to
-//! eight Q8_K activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` /
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ3_XXS or IQ1_S against
+//! one to eight Q8_K activation rows, bit-identical to ggml's AVX2 `ggml_vec_dot_q2_K_q8_K` /
 //! `_q3_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `ggml_vec_dot_iq4_xs_q8_K` /
-//! `_iq2_xxs_q8_K` / `_iq3_xxs_q8_K` / `_iq1_s_q8_K` row by row.
+//! `_iq2_xxs_q8_K` / `_iq2_xs_q8_K` / `_iq3_xxs_q8_K` / `_iq1_s_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -14,9 +14,10 @@
 //! two sub-blocks a lane); IQ4_XS's values come from a 16-entry table and its signed 6-bit
 //! scales multiply the lanes directly; Q2_K's mins (one per 16 values) go into the main
 //! accumulator first, times -d_y * dmin_x; Q3_K's values are two low bits less 4 where the
-//! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's and IQ3_XXS's
-//! values are grid points (8 or 4 unsigned values each) with signs applied to the activation,
-//! their scales 2s + 1 per 32 values, and the result 0.125 or 0.25 x the sum; IQ1_S's grid
+//! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's, IQ2_XS's and
+//! IQ3_XXS's values are grid points (8 or 4 unsigned values each) with signs applied to the
+//! activation, their scales 2s + 1 per 32 values (IQ2_XS: per 16), and the result 0.125 or
+//! 0.25 x the sum; IQ1_S's grid
 //! values are -1, 0 or 1 and its deltas (+-0.125 per 32 values) go through ggml's scalar
 //! chain of d x the activation's sub-block sums, added at the end. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
@@ -57,6 +58,10 @@ const IQ2_XXS_BLOCK: usize = 66;
 /// each, eight a sub-block), then per sub-block a word of four 7-bit sign indices and a 4-bit
 /// scale.
 const IQ3_XXS_BLOCK: usize = 98;
+/// Bytes of an IQ2_XS block: fp16 d, per 32-value sub-block four u16 (a 9-bit index into its
+/// 512-point grid, 8 values each, and a 7-bit sign index), then a byte of two 4-bit scales
+/// per sub-block (its first and last 16 values).
+const IQ2_XS_BLOCK: usize = 74;
 /// Bytes of an IQ1_S block: fp16 d, 32 bytes of the low 8 bits of grid indices (four a
 /// sub-block), then per sub-block a u16: the indices' high 3 bits, a 3-bit scale and the sign
 /// of its delta (bit 15).
@@ -78,6 +83,7 @@ pub(super) const Q3K: u8 = 5;
 pub(super) const IQ2XXS: u8 = 6;
 pub(super) const IQ3XXS: u8 = 7;
 pub(super) const IQ1S: u8 = 8;
+pub(super) const IQ2XS: u8 = 9;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -150,6 +156,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         IQ2XXS => IQ2_XXS_BLOCK,
         IQ3XXS => IQ3_XXS_BLOCK,
         IQ1S => IQ1_S_BLOCK,
+        IQ2XS => IQ2_XS_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -177,7 +184,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
                 Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
                 Q3K => q3_k_sums(x, &y, &mut sumi),
-                IQ2XXS | IQ3XXS => grid_sums::<KIND, T>(x, &y, &mut sumi),
+                IQ2XXS | IQ3XXS | IQ2XS => grid_sums::<KIND, T>(x, &y, &mut sumi),
                 IQ1S => iq1_s_sums(x, &y, &mut sumi, &mut isum1),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
@@ -202,9 +209,9 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             *o = std::array::from_fn(|r| sums[r] + IQ1S_DELTA * a1[r]);
             continue;
         }
-        if matches!(KIND, IQ2XXS | IQ3XXS) {
-            // ggml's final 0.125 (IQ2_XXS) or 0.25 (IQ3_XXS) x the sum.
-            let f = if KIND == IQ2XXS { 0.125 } else { 0.25 };
+        if matches!(KIND, IQ2XXS | IQ3XXS | IQ2XS) {
+            // ggml's final 0.125 (IQ2_XXS, IQ2_XS) or 0.25 (IQ3_XXS) x the sum.
+            let f = if KIND == IQ3XXS { 0.25 } else { 0.125 };
             *o = sums.map(|s| f * s);
             continue;
         }
@@ -579,6 +586,8 @@ struct GridTables {
     signs: [u8; 128],
     /// IQ1_S's 2048 points of eight values in -1..=1, as int8 bytes of a u64.
     grid1: Vec<u64>,
+    /// IQ2_XS's 512 points of eight unsigned values.
+    grid2x: Vec<u64>,
 }
 
 /// One IQ2_XXS (`three` false) or IQ3_XXS block whose sub-block s names the grid points
@@ -616,7 +625,22 @@ fn grid_tables() -> &'static GridTables {
             grid3: [0; 256],
             signs: [0; 128],
             grid1: vec![0; 2048],
+            grid2x: vec![0; 512],
         };
+        for first in (0..512).step_by(32) {
+            // d = 8 and scales 0: each value is the grid's.
+            let mut b = [0u8; IQ2_XS_BLOCK];
+            b[..2].copy_from_slice(&0x4800u16.to_le_bytes());
+            for i in 0..32 {
+                b[2 + 2 * i..4 + 2 * i].copy_from_slice(&((first + i) as u16).to_le_bytes());
+            }
+            let mut y = [0f32; 256];
+            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ2_XS, &b, &mut y)
+                .expect("one IQ2_XS block");
+            for (i, v) in y.chunks_exact(8).enumerate() {
+                t.grid2x[first + i] = u64::from_le_bytes(std::array::from_fn(|j| v[j] as u8));
+            }
+        }
         for first in (0..2048).step_by(32) {
             // d = 1, scale 0 and a positive delta: each value is the grid's + 0.125.
             let mut b = [0u8; IQ1_S_BLOCK];
@@ -688,18 +712,21 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
         for s in 0..8 {
             // Per row: the sub-block's word of signs and scale, and its 32 values as four
             // u64 (IQ2_XXS: four points of eight) built from the grid.
-            let word_at = if KIND == IQ2XXS {
-                6 + 8 * s
-            } else {
+            // IQ2_XXS and IQ3_XXS: a word of four sign indices and the scale; IQ2_XS: four
+            // u16 of index and sign index, and a byte of two scales.
+            let word_at = if KIND == IQ3XXS {
                 66 + 4 * s
+            } else {
+                6 + 8 * s
             };
             let word = x.map(|x| x.add(word_at).cast::<u32>().read_unaligned());
+            let q = x.map(|x| x.add(2 + 8 * s).cast::<[u16; 4]>().read_unaligned());
             let values = |r: usize| -> [i64; 4] {
                 let idx = x[r].add(2 + 8 * s).cast::<[u8; 8]>().read_unaligned();
-                std::array::from_fn(|j| {
-                    if KIND == IQ2XXS {
-                        tables.grid2[usize::from(idx[j])] as i64
-                    } else {
+                std::array::from_fn(|j| match KIND {
+                    IQ2XXS => tables.grid2[usize::from(idx[j])] as i64,
+                    IQ2XS => tables.grid2x[usize::from(q[r][j] & 511)] as i64,
+                    _ => {
                         let g = |i: usize| u64::from(tables.grid3[usize::from(idx[i])]);
                         (g(2 * j) | g(2 * j + 1) << 32) as i64
                     }
@@ -707,15 +734,27 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
             };
             let signs = |r: usize| {
                 (0..4).fold(0u64, |m, j| {
-                    m | u64::from(tables.signs[(word[r] >> (7 * j)) as usize & 127]) << (8 * j)
+                    let k = if KIND == IQ2XS {
+                        usize::from(q[r][j] >> 9)
+                    } else {
+                        (word[r] >> (7 * j)) as usize & 127
+                    };
+                    m | u64::from(tables.signs[k]) << (8 * j)
                 })
             };
-            let scale = |r: usize| (2 * (word[r] >> 28) + 1) as i16;
+            let scales = |r: usize| -> [i16; 2] {
+                if KIND == IQ2XS {
+                    let b = i16::from(x[r].add(66 + s).read());
+                    [2 * (b & 15) + 1, 2 * (b >> 4) + 1]
+                } else {
+                    [(2 * (word[r] >> 28) + 1) as i16; 2]
+                }
+            };
             for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
                 let (a, b) = (values(ra), values(rb));
                 let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
                 let neg = signs(ra) | signs(rb) << 32;
-                signed_products(v, neg, [scale(ra), scale(rb)], y, s, sumi, p);
+                signed_products(v, neg, [scales(ra), scales(rb)], y, s, sumi, p);
             }
         }
         xd
@@ -725,7 +764,7 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
 /// For each token, `sumi[t][p] += madd(maddubs(v, y with the `neg` bytes negated), scales)`
 /// over sub-block `s` of the Q8_K blocks `y`: ggml's sign-trick product of unsigned weight
 /// magnitudes `v` (row pair `p`, row a in the low 256 bits) and signed activations, in int16
-/// pairs, times each row's sub-block scale.
+/// pairs, times each row's scales of the sub-block's first and last 16 values.
 ///
 /// # Safety
 /// `y` points at whole Q8_K blocks; the CPU has the enabled features.
@@ -734,13 +773,19 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
 unsafe fn signed_products<const T: usize>(
     v: __m512i,
     neg: u64,
-    [sa, sb]: [i16; 2],
+    scales: [[i16; 2]; 2],
     y: &[*const u8; T],
     s: usize,
     sumi: &mut [[__m512i; 2]; T],
     p: usize,
 ) {
-    let sc = join(_mm256_set1_epi16(sa), _mm256_set1_epi16(sb));
+    let [a, b] = scales.map(|[lo, hi]| {
+        _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_set1_epi16(lo)),
+            _mm_set1_epi16(hi),
+        )
+    });
+    let sc = join(a, b);
     for (acc, y) in sumi.iter_mut().zip(y) {
         // SAFETY: sub-block s of a Q8_K block, per the contract.
         let q8 = unsafe { _mm256_loadu_si256(y.add(4 + 32 * s).cast()) };
@@ -784,15 +829,8 @@ unsafe fn iq1_s_sums<const T: usize>(
                 let (a, b) = (values(ra), values(rb));
                 let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
                 let neg = _mm512_movepi8_mask(v);
-                signed_products(
-                    _mm512_abs_epi8(v),
-                    neg,
-                    [scale(ra), scale(rb)],
-                    y,
-                    s,
-                    sumi,
-                    p,
-                );
+                let sc = [[scale(ra); 2], [scale(rb); 2]];
+                signed_products(_mm512_abs_epi8(v), neg, sc, y, s, sumi, p);
             }
             for (isum, y) in isum1.iter_mut().zip(y) {
                 let bs = y.add(Q8_K_SUMS + 4 * s).cast::<[i16; 2]>().read_unaligned();
