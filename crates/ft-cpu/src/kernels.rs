@@ -653,6 +653,27 @@ mod tests {
     use super::*;
     use freetoken_ggml::{quantize, GgmlType};
 
+    /// The types with group kernels on AVX-512 VNNI CPUs.
+    pub(super) const GROUP_TYPES: [GgmlType; 17] = [
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_0,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::MXFP4,
+        GgmlType::IQ4_NL,
+        GgmlType::Q4_1,
+        GgmlType::Q5_1,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ1_S,
+        GgmlType::IQ2_XS,
+    ];
+
     /// xorshift64 bytes.
     fn bytes(n: usize, mut s: u64) -> Vec<u8> {
         (0..n)
@@ -701,25 +722,7 @@ mod tests {
 
     #[test]
     fn runs_of_rows_equal_ggml_row_by_row_bit_for_bit() {
-        for t in [
-            GgmlType::Q4_0,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q5_0,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::IQ4_XS,
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::MXFP4,
-            GgmlType::IQ4_NL,
-            GgmlType::Q4_1,
-            GgmlType::Q5_1,
-            GgmlType::IQ2_XXS,
-            GgmlType::IQ3_XXS,
-            GgmlType::IQ1_S,
-            GgmlType::IQ2_XS,
-        ] {
+        for t in GROUP_TYPES {
             for k in [32usize, 96, 256, 2048] {
                 if !k.is_multiple_of(t.block_size()) {
                     continue;
@@ -776,7 +779,7 @@ mod tests {
 #[cfg(test)]
 mod tile_tests {
     use super::*;
-    use freetoken_ggml::{quantize, GgmlType};
+    use freetoken_ggml::quantize;
 
     /// Every (token, row) of `dots` over many tokens, on quantized and on random blocks, is
     /// ggml's own dot product, bit for bit: tiles of tokens, groups of rows and both kinds of
@@ -784,25 +787,7 @@ mod tile_tests {
     #[test]
     fn tokens_times_rows_equal_ggml_bit_for_bit() {
         let k = 96;
-        for t in [
-            GgmlType::Q4_0,
-            GgmlType::Q5_0,
-            GgmlType::Q8_0,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::IQ4_XS,
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::MXFP4,
-            GgmlType::IQ4_NL,
-            GgmlType::Q4_1,
-            GgmlType::Q5_1,
-            GgmlType::IQ2_XXS,
-            GgmlType::IQ3_XXS,
-            GgmlType::IQ1_S,
-            GgmlType::IQ2_XS,
-        ] {
+        for t in super::tests::GROUP_TYPES {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
             let dots = RowDots::new(kernel);
@@ -866,26 +851,8 @@ mod dispatch_tests {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni");
-        for (t, fast) in [
-            (GgmlType::Q4_0, true),
-            (GgmlType::Q5_0, true),
-            (GgmlType::Q8_0, true),
-            (GgmlType::Q4_K, true),
-            (GgmlType::Q5_K, true),
-            (GgmlType::Q6_K, true),
-            (GgmlType::IQ4_XS, true),
-            (GgmlType::Q2_K, true),
-            (GgmlType::Q3_K, true),
-            (GgmlType::MXFP4, true),
-            (GgmlType::IQ4_NL, true),
-            (GgmlType::Q4_1, true),
-            (GgmlType::Q5_1, true),
-            (GgmlType::IQ2_XXS, true),
-            (GgmlType::IQ3_XXS, true),
-            (GgmlType::IQ1_S, true),
-            (GgmlType::IQ2_XS, true),
-            (GgmlType::IQ3_S, false),
-        ] {
+        let with_kernels = super::tests::GROUP_TYPES.map(|t| (t, true));
+        for (t, fast) in with_kernels.into_iter().chain([(GgmlType::IQ3_S, false)]) {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");
         }
