@@ -1,8 +1,8 @@
-//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S or IQ1_S
-//! against one to eight Q8_K activation rows, bit-identical to ggml's AVX2
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S or
+//! IQ1_S against one to eight Q8_K activation rows, bit-identical to ggml's AVX2
 //! `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` /
-//! `ggml_vec_dot_iq4_xs_q8_K` / `_iq2_xxs_q8_K` / `_iq2_xs_q8_K` / `_iq3_xxs_q8_K` /
-//! `_iq3_s_q8_K` / `_iq1_s_q8_K` row by row.
+//! `ggml_vec_dot_iq4_xs_q8_K` / `_iq2_xxs_q8_K` / `_iq2_xs_q8_K` / `_iq2_s_q8_K` /
+//! `_iq3_xxs_q8_K` / `_iq3_s_q8_K` / `_iq1_s_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -18,7 +18,8 @@
 //! high bit is clear, its signed 6-bit scales one per 16 values; IQ2_XXS's, IQ2_XS's and
 //! IQ3_XXS's values are grid points (8 or 4 unsigned values each) with signs applied to the
 //! activation, their scales 2s + 1 per 32 values (IQ2_XS: per 16), and the result 0.125 or
-//! 0.25 x the sum; IQ3_S's the same with 9-bit indices, a sign bit per value and no factor; IQ1_S's grid
+//! 0.25 x the sum; IQ3_S's the same with 9-bit indices, a sign bit per value and no factor,
+//! IQ2_S's with 10-bit indices, sign bits and IQ2_XS's scales; IQ1_S's grid
 //! values are -1, 0 or 1 and its deltas (+-0.125 per 32 values) go through ggml's scalar
 //! chain of d x the activation's sub-block sums, added at the end. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
@@ -68,6 +69,10 @@ const IQ2_XS_BLOCK: usize = 74;
 /// sub-block), 32 bytes of sign bits (one a value), 4 bytes of 4-bit scales (one a
 /// sub-block).
 const IQ3_S_BLOCK: usize = 110;
+/// Bytes of an IQ2_S block: fp16 d, 32 bytes of the low 8 bits of indices into its
+/// 1024-point grid (8 values each, four a sub-block), 32 bytes of sign bits (one a value), 8
+/// bytes of the indices' two high bits, 8 bytes of two 4-bit scales a sub-block.
+const IQ2_S_BLOCK: usize = 82;
 /// Bytes of an IQ1_S block: fp16 d, 32 bytes of the low 8 bits of grid indices (four a
 /// sub-block), then per sub-block a u16: the indices' high 3 bits, a 3-bit scale and the sign
 /// of its delta (bit 15).
@@ -91,6 +96,7 @@ pub(super) const IQ3XXS: u8 = 7;
 pub(super) const IQ1S: u8 = 8;
 pub(super) const IQ2XS: u8 = 9;
 pub(super) const IQ3S: u8 = 10;
+pub(super) const IQ2S: u8 = 11;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -165,6 +171,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         IQ1S => IQ1_S_BLOCK,
         IQ2XS => IQ2_XS_BLOCK,
         IQ3S => IQ3_S_BLOCK,
+        IQ2S => IQ2_S_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -192,7 +199,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 IQ4XS => iq4_xs_sums(x, &y, &mut sumi),
                 Q2K => q2_k_sums(x, &y, &mut sumi, &mut acc),
                 Q3K => q3_k_sums(x, &y, &mut sumi),
-                IQ2XXS | IQ3XXS | IQ2XS | IQ3S => grid_sums::<KIND, T>(x, &y, &mut sumi),
+                IQ2XXS | IQ3XXS | IQ2XS | IQ3S | IQ2S => grid_sums::<KIND, T>(x, &y, &mut sumi),
                 IQ1S => iq1_s_sums(x, &y, &mut sumi, &mut isum1),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
@@ -217,8 +224,9 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             *o = std::array::from_fn(|r| sums[r] + IQ1S_DELTA * a1[r]);
             continue;
         }
-        if matches!(KIND, IQ2XXS | IQ3XXS | IQ2XS) {
-            // ggml's final 0.125 (IQ2_XXS, IQ2_XS) or 0.25 (IQ3_XXS) x the sum (IQ3_S: none).
+        if matches!(KIND, IQ2XXS | IQ3XXS | IQ2XS | IQ2S) {
+            // ggml's final 0.125 (IQ2_XXS, IQ2_XS, IQ2_S) or 0.25 (IQ3_XXS) x the sum (IQ3_S:
+            // none).
             let f = if KIND == IQ3XXS { 0.25 } else { 0.125 };
             *o = sums.map(|s| f * s);
             continue;
@@ -598,6 +606,8 @@ struct GridTables {
     grid2x: Vec<u64>,
     /// IQ3_S's 512 points of four unsigned values.
     grid3s: Vec<u32>,
+    /// IQ2_S's 1024 points of eight unsigned values.
+    grid2s: Vec<u64>,
 }
 
 /// One IQ2_XXS (`three` false) or IQ3_XXS block whose sub-block s names the grid points
@@ -637,7 +647,24 @@ fn grid_tables() -> &'static GridTables {
             grid1: vec![0; 2048],
             grid2x: vec![0; 512],
             grid3s: vec![0; 512],
+            grid2s: vec![0; 1024],
         };
+        for first in (0..1024).step_by(32) {
+            // d = 8, scales 0 and no signs: each value is the grid's.
+            let mut b = [0u8; IQ2_S_BLOCK];
+            b[..2].copy_from_slice(&0x4800u16.to_le_bytes());
+            for i in 0..32 {
+                let index = first + i;
+                b[2 + i] = index as u8;
+                b[66 + i / 4] |= ((index >> 8) as u8) << (2 * (i % 4));
+            }
+            let mut y = [0f32; 256];
+            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ2_S, &b, &mut y)
+                .expect("one IQ2_S block");
+            for (i, v) in y.chunks_exact(8).enumerate() {
+                t.grid2s[first + i] = u64::from_le_bytes(std::array::from_fn(|j| v[j] as u8));
+            }
+        }
         for first in (0..512).step_by(64) {
             // d = 1, scales 0 and no signs: each value is the grid's.
             let mut b = [0u8; IQ3_S_BLOCK];
@@ -756,6 +783,12 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
                     |i: usize| u64::from(tables.grid3s[usize::from(idx[i]) | (high >> i & 1) << 8]);
                 std::array::from_fn(|j| match KIND {
                     IQ2XXS => tables.grid2[usize::from(idx[j])] as i64,
+                    IQ2S => {
+                        // Four indices a sub-block, their high two bits in its qh byte.
+                        let low = usize::from(x[r].add(2 + 4 * s + j).read());
+                        let high = usize::from(x[r].add(66 + s).read()) >> (2 * j) & 3;
+                        tables.grid2s[low | high << 8] as i64
+                    }
                     IQ2XS => tables.grid2x[usize::from(q[r][j] & 511)] as i64,
                     IQ3S => (g3s(2 * j) | g3s(2 * j + 1) << 32) as i64,
                     _ => {
@@ -765,9 +798,10 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
                 })
             };
             let signs = |r: usize| {
-                if KIND == IQ3S {
+                if matches!(KIND, IQ3S | IQ2S) {
                     // One bit a value, in order.
-                    return u64::from(x[r].add(74 + 4 * s).cast::<u32>().read_unaligned());
+                    let at = if KIND == IQ3S { 74 + 4 * s } else { 34 + 4 * s };
+                    return u64::from(x[r].add(at).cast::<u32>().read_unaligned());
                 }
                 (0..4).fold(0u64, |m, j| {
                     let k = if KIND == IQ2XS {
@@ -779,8 +813,9 @@ unsafe fn grid_sums<const KIND: u8, const T: usize>(
                 })
             };
             let scales = |r: usize| -> [i16; 2] {
-                if KIND == IQ2XS {
-                    let b = i16::from(x[r].add(66 + s).read());
+                if matches!(KIND, IQ2XS | IQ2S) {
+                    let at = if KIND == IQ2XS { 66 + s } else { 74 + s };
+                    let b = i16::from(x[r].add(at).read());
                     [2 * (b & 15) + 1, 2 * (b >> 4) + 1]
                 } else if KIND == IQ3S {
                     let b = i16::from(x[r].add(106 + s / 2).read()) >> (4 * (s % 2)) & 15;
