@@ -299,7 +299,8 @@ mod avx512 {
             return None;
         }
         use super::avx512_k::{
-            tile as k, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K,
+            tile as k, IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K,
+            Q6K,
         };
         let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
         match (kernel.weight_type(), kernel.act_type()) {
@@ -321,6 +322,7 @@ mod avx512 {
             (GgmlType::IQ2_XS, GgmlType::Q8_K) => fns([k::<IQ2XS, 8>, k::<IQ2XS, 4>], None),
             (GgmlType::IQ3_S, GgmlType::Q8_K) => fns([k::<IQ3S, 8>, k::<IQ3S, 4>], None),
             (GgmlType::IQ2_S, GgmlType::Q8_K) => fns([k::<IQ2S, 8>, k::<IQ2S, 4>], None),
+            (GgmlType::IQ1_M, GgmlType::Q8_K) => fns([k::<IQ1M, 8>, k::<IQ1M, 4>], None),
             (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
             (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
             (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
@@ -656,7 +658,7 @@ mod tests {
     use freetoken_ggml::{quantize, GgmlType};
 
     /// The types with group kernels on AVX-512 VNNI CPUs.
-    pub(super) const GROUP_TYPES: [GgmlType; 19] = [
+    pub(super) const GROUP_TYPES: [GgmlType; 20] = [
         GgmlType::Q4_0,
         GgmlType::Q8_0,
         GgmlType::Q4_K,
@@ -676,6 +678,7 @@ mod tests {
         GgmlType::IQ2_XS,
         GgmlType::IQ3_S,
         GgmlType::IQ2_S,
+        GgmlType::IQ1_M,
     ];
 
     /// xorshift64 bytes.
@@ -762,6 +765,7 @@ mod tests {
                             | GgmlType::IQ2_XS
                             | GgmlType::IQ3_S
                             | GgmlType::IQ2_S
+                            | GgmlType::IQ1_M
                     )
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
@@ -858,7 +862,7 @@ mod dispatch_tests {
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni");
         let with_kernels = super::tests::GROUP_TYPES.map(|t| (t, true));
-        for (t, fast) in with_kernels.into_iter().chain([(GgmlType::IQ1_M, false)]) {
+        for (t, fast) in with_kernels.into_iter().chain([(GgmlType::TQ2_0, false)]) {
             let dots = RowDots::new(VecDot::new(t, 256).unwrap());
             assert_eq!(dots.group.is_some(), fast && available, "{t}");
         }

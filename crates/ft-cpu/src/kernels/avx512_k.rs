@@ -1,8 +1,8 @@
-//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S or
-//! IQ1_S against one to eight Q8_K activation rows, bit-identical to ggml's AVX2
+//! Four rows of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+//! IQ1_S or IQ1_M against one to eight Q8_K activation rows, bit-identical to ggml's AVX2
 //! `ggml_vec_dot_q2_K_q8_K` / `_q3_K_q8_K` / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` /
 //! `ggml_vec_dot_iq4_xs_q8_K` / `_iq2_xxs_q8_K` / `_iq2_xs_q8_K` / `_iq2_s_q8_K` /
-//! `_iq3_xxs_q8_K` / `_iq3_s_q8_K` / `_iq1_s_q8_K` row by row.
+//! `_iq3_xxs_q8_K` / `_iq3_s_q8_K` / `_iq1_s_q8_K` / `_iq1_m_q8_K` row by row.
 //!
 //! Per 256-value super-block ggml sums, exactly in int32, each sub-block's scale times its
 //! 4-value partial dot products into eight lanes (lane l: values 4l..4l+4 of every 32-value
@@ -21,7 +21,8 @@
 //! 0.25 x the sum; IQ3_S's the same with 9-bit indices, a sign bit per value and no factor,
 //! IQ2_S's with 10-bit indices, sign bits and IQ2_XS's scales; IQ1_S's grid
 //! values are -1, 0 or 1 and its deltas (+-0.125 per 32 values) go through ggml's scalar
-//! chain of d x the activation's sub-block sums, added at the end. Here two rows share each 512-bit register and the weights are
+//! chain of d x the activation's sub-block sums, added at the end; IQ1_M's deltas (one sign
+//! per 8 values) through a second lane accumulator, as ggml's. Here two rows share each 512-bit register and the weights are
 //! unpacked once for every activation row; the integers, the f32 operations and their order
 //! are ggml's.
 
@@ -77,8 +78,12 @@ const IQ2_S_BLOCK: usize = 82;
 /// sub-block), then per sub-block a u16: the indices' high 3 bits, a 3-bit scale and the sign
 /// of its delta (bit 15).
 const IQ1_S_BLOCK: usize = 50;
-/// ggml's `IQ1S_DELTA`: IQ1_S's values are grid + or - this.
+/// ggml's `IQ1S_DELTA` (and `IQ1M_DELTA`): IQ1_S's and IQ1_M's values are grid + or - this.
 const IQ1S_DELTA: f32 = 0.125;
+/// Bytes of an IQ1_M block: 32 bytes of the low 8 bits of indices into IQ1_S's grid (four a
+/// sub-block), 16 bytes of their high 3 bits and delta signs (a nibble an index), 8 bytes of
+/// 3-bit scales (one per 16 values) whose top nibbles make the fp16 d.
+const IQ1_M_BLOCK: usize = 56;
 /// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
 const Q8_K_BLOCK: usize = 292;
 /// Offset of a Q8_K block's sums.
@@ -97,6 +102,7 @@ pub(super) const IQ1S: u8 = 8;
 pub(super) const IQ2XS: u8 = 9;
 pub(super) const IQ3S: u8 = 10;
 pub(super) const IQ2S: u8 = 11;
+pub(super) const IQ1M: u8 = 12;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
@@ -172,6 +178,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
         IQ2XS => IQ2_XS_BLOCK,
         IQ3S => IQ3_S_BLOCK,
         IQ2S => IQ2_S_BLOCK,
+        IQ1M => IQ1_M_BLOCK,
         _ => Q6_K_BLOCK,
     };
     // Row r's four min lanes are 4r..4r+4.
@@ -180,6 +187,8 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     let mut acc_m = [_mm512_setzero_ps(); T];
     // IQ1_S: per token and row, ggml's scalar sum of d x the deltas' integer share.
     let mut acc1 = [[0f32; GROUP]; T];
+    // IQ1_M: the deltas' lanes, a second accumulator as ggml's.
+    let mut acc2 = [[_mm512_setzero_ps(); 2]; T];
     let next = w.wrapping_add(PREFETCH_ROWS * row_bytes);
     for b in 0..supers {
         // SAFETY: block b of each weight and activation row is in bounds (b < supers), per
@@ -193,6 +202,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             let y: [*const u8; T] = std::array::from_fn(|t| acts[t].add(b * Q8_K_BLOCK));
             let mut sumi = [[_mm512_setzero_si512(); 2]; T];
             let mut isum1 = [[0i32; GROUP]; T];
+            let mut sumi2 = [[_mm512_setzero_si512(); 2]; T];
             let xd = match KIND {
                 Q4K => q45_k_sums::<false, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
                 Q5K => q45_k_sums::<true, T>(x, &y, &mut sumi, &mut acc_m, lanes_m),
@@ -201,6 +211,7 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 Q3K => q3_k_sums(x, &y, &mut sumi),
                 IQ2XXS | IQ3XXS | IQ2XS | IQ3S | IQ2S => grid_sums::<KIND, T>(x, &y, &mut sumi),
                 IQ1S => iq1_s_sums(x, &y, &mut sumi, &mut isum1),
+                IQ1M => iq1_m_sums(x, &y, &mut sumi, &mut sumi2),
                 _ => q6_k_sums(x, &y, &mut sumi),
             };
             for (t, y) in y.iter().enumerate() {
@@ -208,6 +219,9 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                 // d_y * d_x per row, as ggml's f32 product.
                 let dr = _mm_mul_ps(_mm_set1_ps(yd), xd);
                 scaled_add(_mm512_castps128_ps512(dr), sumi[t], &mut acc[t]);
+                if KIND == IQ1M {
+                    scaled_add(_mm512_castps128_ps512(dr), sumi2[t], &mut acc2[t]);
+                }
                 if KIND == IQ1S {
                     let mut d = [0f32; GROUP];
                     _mm_storeu_ps(d.as_mut_ptr(), dr);
@@ -218,8 +232,13 @@ unsafe fn pass<const KIND: u8, const T: usize>(
             }
         }
     }
-    for (((o, acc), m), a1) in out.iter_mut().zip(acc).zip(acc_m).zip(acc1) {
+    for ((((o, acc), m), a1), a2) in out.iter_mut().zip(acc).zip(acc_m).zip(acc1).zip(acc2) {
         let sums = row_sums(acc);
+        if KIND == IQ1M {
+            let deltas = row_sums(a2);
+            *o = std::array::from_fn(|r| sums[r] + IQ1S_DELTA * deltas[r]);
+            continue;
+        }
         if KIND == IQ1S {
             *o = std::array::from_fn(|r| sums[r] + IQ1S_DELTA * a1[r]);
             continue;
@@ -867,6 +886,62 @@ unsafe fn signed_products<const T: usize>(
         let sy = _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8);
         let p16 = _mm512_maddubs_epi16(v, sy);
         acc[p] = _mm512_add_epi32(acc[p], _mm512_madd_epi16(p16, sc));
+    }
+}
+
+/// An IQ1_M block of four rows (`x`) against `T` Q8_K blocks (`y`): per 32-value sub-block
+/// the grid values (-1, 0, 1) times the activation into `sumi`, and the deltas' signs (one per
+/// 8 values) times the activation into `sumi2`, both scaled by 2 x the 3-bit scale + 1 of
+/// each 16 values; returns each row's d, the fp16 its scales' top nibbles make.
+///
+/// # Safety
+/// `x` and `y` point at whole blocks; the CPU has the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+unsafe fn iq1_m_sums<const T: usize>(
+    x: [*const u8; 4],
+    y: &[*const u8; T],
+    sumi: &mut [[__m512i; 2]; T],
+    sumi2: &mut [[__m512i; 2]; T],
+) -> __m128 {
+    let tables = grid_tables();
+    // SAFETY: within the blocks, per the contract.
+    unsafe {
+        let sc = x.map(|x| x.add(48).cast::<[u16; 4]>().read_unaligned());
+        let d = sc.map(|w| {
+            (w[0] >> 12 | (w[1] >> 8) & 0x00f0 | (w[2] >> 4) & 0x0f00 | w[3] & 0xf000) as i16
+        });
+        let xd = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d[3], d[2], d[1], d[0]));
+        let ones = _mm512_set1_epi8(1);
+        for s in 0..8 {
+            // Index l's nibble: bits 0-2 its high index bits, bit 3 its delta's sign.
+            let nibble = |r: usize, l: usize| x[r].add(32 + 2 * s + l / 2).read() >> (4 * (l % 2));
+            let values = |r: usize| -> [i64; 4] {
+                std::array::from_fn(|l| {
+                    let low = usize::from(x[r].add(4 * s + l).read());
+                    tables.grid1[low | usize::from(nibble(r, l) & 7) << 8] as i64
+                })
+            };
+            let deltas = |r: usize| {
+                (0..4).fold(0u64, |m, l| {
+                    m | (u64::from(nibble(r, l) >> 3 & 1) * (0xff << (8 * l)))
+                })
+            };
+            let scales = |r: usize| -> [i16; 2] {
+                let w = sc[r][s / 2] >> (6 * (s % 2));
+                [(2 * (w & 7) + 1) as i16, (2 * (w >> 3 & 7) + 1) as i16]
+            };
+            for (p, [ra, rb]) in [(0, [0, 1]), (1, [2, 3])] {
+                let (a, b) = (values(ra), values(rb));
+                let v = _mm512_set_epi64(b[3], b[2], b[1], b[0], a[3], a[2], a[1], a[0]);
+                let sc = [scales(ra), scales(rb)];
+                let neg = _mm512_movepi8_mask(v);
+                signed_products(_mm512_abs_epi8(v), neg, sc, y, s, sumi, p);
+                let delta_neg = deltas(ra) | deltas(rb) << 32;
+                signed_products(ones, delta_neg, sc, y, s, sumi2, p);
+            }
+        }
+        xd
     }
 }
 
