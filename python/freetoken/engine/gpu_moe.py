@@ -321,9 +321,10 @@ class OffloadExperts(_PlannedPools):
         if layers:  # without layers (a hand-off with no slots) nothing is streamed
             sizes = [
                 max(
-                    gpu.pool_nbytes(m.qtype, m.k, m.rows, ex.n_experts)
+                    gpu.pool_nbytes(
+                        ex.kinds[k].qtype, ex.kinds[k].k, ex.kinds[k].rows, ex.n_experts
+                    )
                     for ex in layers
-                    for m in [ex.kinds[k]]
                 )
                 for k in range(3)
             ]

@@ -611,157 +611,151 @@ unsafe fn fp16_of_rows(x: [*const u8; 4], at: usize) -> __m128 {
     _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, h(3), h(2), h(1), h(0)))
 }
 
-/// The grids of IQ2_XXS (eight unsigned values a point, as a little-endian u64) and IQ3_XXS
-/// (four, as a u32), and their shared sign masks (bit j: value j negated) of the 128 sign
-/// indices, read once from ggml's own dequantization of blocks whose d and zero scale make
-/// each value the grid's: no table is copied.
+/// The grids of IQ2_XXS (eight unsigned values a point, as a little-endian u64), IQ3_XXS
+/// (four, as a u32), IQ2_XS, IQ2_S, IQ3_S and IQ1_S (its int8 values), and the sign masks
+/// (bit j: value j negated) of the 128 sign indices IQ2_XXS, IQ2_XS and IQ3_XXS share, read
+/// once from ggml's own dequantization (no table is copied).
 struct GridTables {
-    grid2: [u64; 256],
-    grid3: [u32; 256],
+    grid2: Vec<u64>,
+    grid3: Vec<u32>,
     signs: [u8; 128],
-    /// IQ1_S's 2048 points of eight values in -1..=1, as int8 bytes of a u64.
     grid1: Vec<u64>,
-    /// IQ2_XS's 512 points of eight unsigned values.
     grid2x: Vec<u64>,
-    /// IQ3_S's 512 points of four unsigned values.
     grid3s: Vec<u32>,
-    /// IQ2_S's 1024 points of eight unsigned values.
     grid2s: Vec<u64>,
 }
 
-/// One IQ2_XXS (`three` false) or IQ3_XXS block whose sub-block s names the grid points
-/// `idx[s]` (the first four for IQ2_XXS), each with sign index `sign[s]` and scale 0, through
-/// ggml's dequantization: d (8 and 4) makes each value the grid's.
-fn grid_block(three: bool, idx: [[u8; 8]; 8], sign: [u8; 8]) -> [f32; 256] {
-    use freetoken_ggml::{dequantize, GgmlType};
-    let (t, size, d, n_idx) = if three {
-        (GgmlType::IQ3_XXS, IQ3_XXS_BLOCK, 0x4400u16, 8) // fp16 4.0
-    } else {
-        (GgmlType::IQ2_XXS, IQ2_XXS_BLOCK, 0x4800u16, 4) // fp16 8.0
-    };
-    let mut b = vec![0u8; size];
-    b[..2].copy_from_slice(&d.to_le_bytes());
-    for s in 0..8 {
-        let word = u32::from(sign[s]) * 0x0020_4081; // the same index for all four groups
-        let (at_idx, at_word) = if three {
-            (2 + 8 * s, 2 + 64 + 4 * s)
-        } else {
-            (2 + 8 * s, 6 + 8 * s)
-        };
-        b[at_idx..at_idx + n_idx].copy_from_slice(&idx[s][..n_idx]);
-        b[at_word..at_word + 4].copy_from_slice(&word.to_le_bytes());
+/// The `n` points of `t`'s grid, `N` values each, read through ggml's dequantization of
+/// blocks of `size` bytes whose fp16 d is `d` and whose scales, signs and deltas are zero,
+/// so that each value is the point's plus `delta`; `place(block, i, index)` writes point
+/// `index` as the block's i-th.
+fn read_grid<const N: usize>(
+    t: freetoken_ggml::GgmlType,
+    size: usize,
+    d: u16,
+    n: usize,
+    delta: f32,
+    place: impl Fn(&mut [u8], usize, usize),
+) -> Vec<[u8; N]> {
+    let per_block = 256 / N;
+    let mut points = Vec::with_capacity(n);
+    for first in (0..n).step_by(per_block) {
+        let mut b = vec![0u8; size];
+        b[..2].copy_from_slice(&d.to_le_bytes());
+        for i in 0..per_block {
+            place(&mut b, i, first + i);
+        }
+        let mut y = [0f32; 256];
+        freetoken_ggml::dequantize(t, &b, &mut y).expect("one block");
+        points.extend(
+            y.chunks_exact(N)
+                .map(|v| std::array::from_fn(|j| ((v[j] - delta) as i8) as u8)),
+        );
     }
-    let mut y = [0f32; 256];
-    dequantize(t, &b, &mut y).expect("one block");
-    y
+    points
+}
+
+/// The sign masks of the 128 sign indices, from IQ2_XXS blocks of grid point 0 (all values
+/// positive) whose sub-block s takes sign index `first + s` for its four groups.
+fn read_signs() -> [u8; 128] {
+    let mut signs = [0u8; 128];
+    for first in (0..128).step_by(8) {
+        let mut b = [0u8; IQ2_XXS_BLOCK];
+        b[..2].copy_from_slice(&0x4800u16.to_le_bytes());
+        for s in 0..8 {
+            let word = (first + s) as u32 * 0x0020_4081; // the same index for all four groups
+            b[6 + 8 * s..10 + 8 * s].copy_from_slice(&word.to_le_bytes());
+        }
+        let mut y = [0f32; 256];
+        freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ2_XXS, &b, &mut y)
+            .expect("one block");
+        for s in 0..8 {
+            let v = &y[32 * s..32 * s + 8];
+            signs[first + s] = (0..8).fold(0, |m, j| m | u8::from(v[j] < 0.0) << j);
+        }
+    }
+    signs
 }
 
 fn grid_tables() -> &'static GridTables {
+    use freetoken_ggml::GgmlType;
     static TABLES: std::sync::OnceLock<GridTables> = std::sync::OnceLock::new();
-    TABLES.get_or_init(|| {
-        let mut t = GridTables {
-            grid2: [0; 256],
-            grid3: [0; 256],
-            signs: [0; 128],
-            grid1: vec![0; 2048],
-            grid2x: vec![0; 512],
-            grid3s: vec![0; 512],
-            grid2s: vec![0; 1024],
-        };
-        for first in (0..1024).step_by(32) {
-            // d = 8, scales 0 and no signs: each value is the grid's.
-            let mut b = [0u8; IQ2_S_BLOCK];
-            b[..2].copy_from_slice(&0x4800u16.to_le_bytes());
-            for i in 0..32 {
-                let index = first + i;
-                b[2 + i] = index as u8;
-                b[66 + i / 4] |= ((index >> 8) as u8) << (2 * (i % 4));
-            }
-            let mut y = [0f32; 256];
-            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ2_S, &b, &mut y)
-                .expect("one IQ2_S block");
-            for (i, v) in y.chunks_exact(8).enumerate() {
-                t.grid2s[first + i] = u64::from_le_bytes(std::array::from_fn(|j| v[j] as u8));
-            }
-        }
-        for first in (0..512).step_by(64) {
-            // d = 1, scales 0 and no signs: each value is the grid's.
-            let mut b = [0u8; IQ3_S_BLOCK];
-            b[..2].copy_from_slice(&0x3c00u16.to_le_bytes());
-            for i in 0..64 {
-                let index = first + i;
-                b[2 + i] = index as u8;
-                b[66 + i / 8] |= ((index >> 8) as u8) << (i % 8);
-            }
-            let mut y = [0f32; 256];
-            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ3_S, &b, &mut y)
-                .expect("one IQ3_S block");
-            for (i, v) in y.chunks_exact(4).enumerate() {
-                t.grid3s[first + i] = u32::from_le_bytes(std::array::from_fn(|j| v[j] as u8));
-            }
-        }
-        for first in (0..512).step_by(32) {
-            // d = 8 and scales 0: each value is the grid's.
-            let mut b = [0u8; IQ2_XS_BLOCK];
-            b[..2].copy_from_slice(&0x4800u16.to_le_bytes());
-            for i in 0..32 {
-                b[2 + 2 * i..4 + 2 * i].copy_from_slice(&((first + i) as u16).to_le_bytes());
-            }
-            let mut y = [0f32; 256];
-            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ2_XS, &b, &mut y)
-                .expect("one IQ2_XS block");
-            for (i, v) in y.chunks_exact(8).enumerate() {
-                t.grid2x[first + i] = u64::from_le_bytes(std::array::from_fn(|j| v[j] as u8));
-            }
-        }
-        for first in (0..2048).step_by(32) {
-            // d = 1, scale 0 and a positive delta: each value is the grid's + 0.125.
-            let mut b = [0u8; IQ1_S_BLOCK];
-            b[..2].copy_from_slice(&0x3c00u16.to_le_bytes());
-            for s in 0..8 {
-                let mut qh = 0u16;
-                for l in 0..4 {
-                    let i = first + 4 * s + l;
-                    b[2 + 4 * s + l] = i as u8;
-                    qh |= ((i >> 8) as u16) << (3 * l);
-                }
-                b[34 + 2 * s..36 + 2 * s].copy_from_slice(&qh.to_le_bytes());
-            }
-            let mut y = [0f32; 256];
-            freetoken_ggml::dequantize(freetoken_ggml::GgmlType::IQ1_S, &b, &mut y)
-                .expect("one IQ1_S block");
-            for (i, v) in y.chunks_exact(8).enumerate() {
-                let bytes = std::array::from_fn(|j| ((v[j] - IQ1S_DELTA) as i8) as u8);
-                t.grid1[first + i] = u64::from_le_bytes(bytes);
-            }
-        }
-        let byte = |v: f32| v as u8;
-        for first in (0..256).step_by(32) {
-            let idx = std::array::from_fn(|s| std::array::from_fn(|j| (first + 4 * s + j) as u8));
-            let y = grid_block(false, idx, [0; 8]);
-            for (i, v) in y.chunks_exact(8).enumerate() {
-                t.grid2[first + i] = u64::from_le_bytes(std::array::from_fn(|j| byte(v[j])));
-            }
-        }
-        for first in (0..256).step_by(64) {
-            let idx = std::array::from_fn(|s| std::array::from_fn(|j| (first + 8 * s + j) as u8));
-            let y = grid_block(true, idx, [0; 8]);
-            for (i, v) in y.chunks_exact(4).enumerate() {
-                t.grid3[first + i] = u32::from_le_bytes(std::array::from_fn(|j| byte(v[j])));
-            }
-        }
-        for first in (0..128).step_by(8) {
-            let y = grid_block(
-                false,
-                [[0; 8]; 8],
-                std::array::from_fn(|s| (first + s) as u8),
-            );
-            for s in 0..8 {
-                let v = &y[32 * s..32 * s + 8];
-                t.signs[first + s] = (0..8).fold(0, |m, j| m | u8::from(v[j] < 0.0) << j);
-            }
-        }
-        t
+    // fp16 8, 4 and 1: with zero scales, d x ggml's scale factor is 1 (IQ3_XXS's is 1/4).
+    let (eight, four, one) = (0x4800u16, 0x4400u16, 0x3c00u16);
+    let low = |b: &mut [u8], i: usize, index: usize| b[2 + i] = index as u8;
+    let wide = |points: Vec<[u8; 8]>| points.into_iter().map(u64::from_le_bytes).collect();
+    let narrow = |points: Vec<[u8; 4]>| points.into_iter().map(u32::from_le_bytes).collect();
+    TABLES.get_or_init(|| GridTables {
+        // Four indices a sub-block, then its word.
+        grid2: wide(read_grid(
+            GgmlType::IQ2_XXS,
+            IQ2_XXS_BLOCK,
+            eight,
+            256,
+            0.0,
+            |b, i, x| {
+                b[2 + 8 * (i / 4) + i % 4] = x as u8;
+            },
+        )),
+        grid3: narrow(read_grid(
+            GgmlType::IQ3_XXS,
+            IQ3_XXS_BLOCK,
+            four,
+            256,
+            0.0,
+            low,
+        )),
+        signs: read_signs(),
+        // The low 8 bits, then three high bits an index in its sub-block's u16.
+        grid1: wide(read_grid(
+            GgmlType::IQ1_S,
+            IQ1_S_BLOCK,
+            one,
+            2048,
+            IQ1S_DELTA,
+            |b, i, x| {
+                low(b, i, x);
+                let at = 34 + 2 * (i / 4);
+                let qh =
+                    u16::from_le_bytes([b[at], b[at + 1]]) | ((x >> 8) as u16) << (3 * (i % 4));
+                b[at..at + 2].copy_from_slice(&qh.to_le_bytes());
+            },
+        )),
+        // Index and sign index in one u16.
+        grid2x: wide(read_grid(
+            GgmlType::IQ2_XS,
+            IQ2_XS_BLOCK,
+            eight,
+            512,
+            0.0,
+            |b, i, x| {
+                b[2 + 2 * i..4 + 2 * i].copy_from_slice(&(x as u16).to_le_bytes());
+            },
+        )),
+        // The ninth bit of index i, bit i % 8 of its sub-block's byte.
+        grid3s: narrow(read_grid(
+            GgmlType::IQ3_S,
+            IQ3_S_BLOCK,
+            one,
+            512,
+            0.0,
+            |b, i, x| {
+                low(b, i, x);
+                b[66 + i / 8] |= ((x >> 8) as u8) << (i % 8);
+            },
+        )),
+        // Two high bits an index, four indices a byte.
+        grid2s: wide(read_grid(
+            GgmlType::IQ2_S,
+            IQ2_S_BLOCK,
+            eight,
+            1024,
+            0.0,
+            |b, i, x| {
+                low(b, i, x);
+                b[66 + i / 4] |= ((x >> 8) as u8) << (2 * (i % 4));
+            },
+        )),
     })
 }
 
