@@ -366,21 +366,32 @@ def print_table(entry: dict[str, Any]) -> None:
     print(f"reference: {entry['reference_why']}\n")
     print(
         "| engine / config | tg t/s | ratio | peak VRAM MiB | peak RSS MiB | hit rate "
-        "| CPU busy share |"
+        "| CPU busy share | step ms: CPU busy + rest |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for i, r in enumerate(rows):
         is_ref = ref is not None and ref["row"] == i
         name = f"{r['engine']} {r['config']}" + (" (ref)" if is_ref else "")
         if r.get("error"):
             err = " ".join(_error_line(r).split())[:120].replace("|", "\\|")
-            print(f"| {name} | failed: {err} | | | | | |")
+            print(f"| {name} | failed: {err} | | | | | | |")
             continue
         print(
             f"| {name} | {_cell(r['tg'], '.2f')} | {_cell(r['ratio'], '.2f')} "
             f"| {_cell(r['peak_vram_mib'], 'd')} | {_cell(r['peak_rss_mib'], '.0f')} "
-            f"| {_cell(r.get('hit_rate'), '.1%')} | {_cell(r.get('cpu_busy_share'), '.0%')} |"
+            f"| {_cell(r.get('hit_rate'), '.1%')} | {_cell(r.get('cpu_busy_share'), '.0%')} "
+            f"| {_step_split(r)} |"
         )
+
+
+def _step_split(row: dict[str, Any]) -> str:
+    """A decode step's time: the CPU expert thread's busy time (the GPU waits on it, but for
+    the hits it computes meanwhile) and the rest (GPU work and hand-offs, the CPU idle)."""
+    share = row.get("cpu_busy_share")
+    if not row.get("tg") or share is None:
+        return "-"
+    step = 1e3 / row["tg"]
+    return f"{step:.2f} = {share * step:.2f} + {(1 - share) * step:.2f}"
 
 
 def handoff_cost(args: argparse.Namespace, entry: dict[str, Any]) -> dict[str, Any]:
