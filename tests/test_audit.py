@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from freetoken.engine.hybrid import HybridStats
 from freetoken.engine.options import EngineOptions
 from freetoken.errors import FileAccessError
 from freetoken.llm import LLM
@@ -58,3 +60,33 @@ def test_unwritable_audit_log(model: Path, tmp_path: Path) -> None:
     bad = tmp_path / "missing" / "audit.jsonl"
     with pytest.raises(FileAccessError, match="audit log"):
         LLM(model, n_ctx=64, engine=EngineOptions(device="cpu", moe_cache_audit=str(bad)))
+
+
+def test_hybrid_stats_since_counts_between_snapshots() -> None:
+    """``freetoken bench`` reports the hybrid counters of its timed passes only: the later
+    snapshot less the one taken after the warm-up."""
+
+    def snap(routes: list[int], hits: list[int], busy: float, fills: int) -> HybridStats:
+        return HybridStats(
+            layers=[0, 1],
+            routes=np.array(routes),
+            hits=np.array(hits),
+            seeded_hits=np.array(hits) // 2,
+            filled_hits=np.array(hits) - np.array(hits) // 2,
+            answered=sum(routes),
+            cpu_busy_s=busy,
+            fills=fills,
+            swaps=fills // 3,
+            uploaded_bytes=fills * 100,
+            resident=[[fills], [fills + 1]],
+            bookkeeping_s=busy / 10,
+        )
+
+    warm, end = snap([16, 16], [2, 4], 1.5, 9), snap([48, 80], [18, 36], 4.0, 12)
+    d = end.since(warm)
+    assert d.routes.tolist() == [32, 64] and d.hits.tolist() == [16, 32]
+    assert d.hit_rate == pytest.approx(48 / 96)  # the warm-up's 6 of 32 left out
+    assert d.cpu_busy_s == pytest.approx(2.5) and d.bookkeeping_s == pytest.approx(0.25)
+    assert (d.fills, d.swaps, d.uploaded_bytes, d.answered) == (3, 1, 300, 96)
+    assert d.seeded_hits.tolist() == [8, 16] and d.filled_hits.tolist() == [8, 16]
+    assert d.resident == end.resident

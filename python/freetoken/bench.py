@@ -67,6 +67,10 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_pass()
     if args.n_gen:
         decode_pass(args.n_gen)
+    decode_steps, decode_seconds = 0, 0.0
+    placement = llm.placement
+    stats_fn = getattr(placement.experts, "stats", None) if placement is not None else None
+    warm = stats_fn() if callable(stats_fn) else None
     pp = [prompt_pass() for _ in range(args.repetitions)] if args.n_prompt else []
     tg = [decode_pass(args.n_gen) for _ in range(args.repetitions)] if args.n_gen else []
     result = {
@@ -82,14 +86,13 @@ def run_bench(args: argparse.Namespace) -> int:
         "peak_rss_mib": round(_peak_rss_mib(), 1),
         "placement": llm.placement.describe() if llm.placement is not None else "cpu",
     }
-    placement = llm.placement
     if placement is not None:
         result["dense_bytes"] = placement.dense_bytes
         result["expert_bytes"] = placement.expert_bytes
-        stats_fn = getattr(placement.experts, "stats", None)
-        if callable(stats_fn):
-            # Counters since load: the prompt passes' routes count too.
-            stats = stats_fn()
+        if warm is not None:
+            # The timed passes' counters (prompt passes included), as tg's: not the warm-up's
+            # fills and graph captures.
+            stats = stats_fn().since(warm)
             result["hybrid"] = {
                 "hit_rate": float(stats.hit_rate),
                 "routes": int(stats.routes.sum()),

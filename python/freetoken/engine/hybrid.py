@@ -121,6 +121,24 @@ class HybridStats:
         total = int(self.routes.sum())
         return float(self.hits.sum()) / total if total else 0.0
 
+    def since(self, earlier: HybridStats) -> HybridStats:
+        """The counts between ``earlier`` (a snapshot of the same experts) and these; the
+        resident ids are these."""
+        return HybridStats(
+            layers=self.layers,
+            routes=self.routes - earlier.routes,
+            hits=self.hits - earlier.hits,
+            seeded_hits=self.seeded_hits - earlier.seeded_hits,
+            filled_hits=self.filled_hits - earlier.filled_hits,
+            answered=self.answered - earlier.answered,
+            cpu_busy_s=self.cpu_busy_s - earlier.cpu_busy_s,
+            fills=self.fills - earlier.fills,
+            swaps=self.swaps - earlier.swaps,
+            uploaded_bytes=self.uploaded_bytes - earlier.uploaded_bytes,
+            resident=self.resident,
+            bookkeeping_s=self.bookkeeping_s - earlier.bookkeeping_s,
+        )
+
 
 class HybridExperts(OffloadExperts):
     """The ``hybrid`` strategy over the pools of ``plan`` for ``layers`` (each pool with
