@@ -14,12 +14,13 @@ llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak 
 lowest-VRAM llama.cpp row when none is). Optionally (first model only) the hand-off's cost per
 MoE layer: ``gpu`` against ``hybrid`` with every expert resident, so every route hits and the
 CPU answers empty requests. With ``--time-model`` (the default) ``freetoken bench-bw`` runs
-first on each model, and each hybrid row gets issue 7's time model beside its measured step,
-t = (D + A) / B_g + (1 - h) R / B_c: D the dense weight bytes, A the KV bytes a token reads
-(float32 cache, the mean position of the tg run), R the routed expert bytes per token, h the
-row's hit rate, B_g and B_c bench-bw's device and host read bandwidths (``gpu_t1`` and
-``cpu_t1_with_gpu``) of the same lease. A failed run leaves its error in its row; the table and
-the JSON are still written.
+first on each model (each round), and each hybrid row gets issue 7's time model beside its
+measured step, t = (D + A) / B_g + (1 - h) R / B_c: D the dense weight bytes, A the KV bytes
+a token reads (float32 cache, the mean position of the tg run), R the routed expert bytes per
+token, h the row's hit rate, B_g and B_c bench-bw's device and host read bandwidths
+(``gpu_t1`` and ``cpu_t1_with_gpu``) of the same round. ``--rounds N`` runs every row N
+times, in turn (the host's speed drifts within a lease), and reports each row's median round.
+A failed run leaves its error in its row; the table and the JSON are still written.
 
     python3 benches/bench_hybrid.py --model UNIFORM.gguf --model ZIPF.gguf \\
         --llama-bench PATH -n 64 -r 3 -t 16 --json out.json
@@ -142,19 +143,20 @@ def bandwidths(model: str) -> dict[str, Any]:
         return row | {"error": f"{type(e).__name__}: {e}", "stderr": out[-2000:]}
 
 
-def time_model(entry: dict[str, Any]) -> None:
-    """Issue 7's time model beside each row with a hit rate (``row["time_model"]``)."""
-    bw = entry.get("bandwidth") or {}
-    if "b_cpu_gbps" not in bw:
+def time_model(rows: list[dict[str, Any]], bw: dict[str, Any] | None, kv: float) -> None:
+    """Issue 7's time model beside each row with a hit rate (``row["time_model"]``), with the
+    bandwidths ``bw`` of the same round and ``kv`` KV bytes read a token."""
+    if not bw or "b_cpu_gbps" not in bw:
         return
-    kv = entry["kv_bytes_per_position"] * entry["n"] / 2  # the tg run's mean position
-    for r in entry["rows"]:
+    for r in rows:
         if r.get("hit_rate") is None or not r.get("tg") or not r.get("dense_bytes"):
             continue
         gpu_s = (r["dense_bytes"] + kv) / (bw["b_gpu_gbps"] * 1e9)
         cpu_s = (1 - r["hit_rate"]) * bw["routed_bytes"] / (bw["b_cpu_gbps"] * 1e9)
         r["time_model"] = {
             "kv_bytes": kv,
+            "b_gpu_gbps": bw["b_gpu_gbps"],
+            "b_cpu_gbps": bw["b_cpu_gbps"],
             "model_ms": (gpu_s + cpu_s) * 1e3,
             "measured_ms": 1e3 / r["tg"],
             "ratio": (1 / r["tg"]) / (gpu_s + cpu_s),
@@ -162,26 +164,39 @@ def time_model(entry: dict[str, Any]) -> None:
 
 
 def print_time_model(entry: dict[str, Any]) -> None:
-    bw = entry.get("bandwidth") or {}
-    if "b_cpu_gbps" not in bw:
-        if bw.get("error"):
-            print(f"\ntime model: bench-bw failed: {_error_line(bw)[:200]}")
+    for err in dict.fromkeys(_error_line(bw)[:200] for bw in entry["bandwidth"] if "error" in bw):
+        print(f"\ntime model: bench-bw failed: {err}")
+    rows = [r for r in entry["rows"] if r.get("time_model")]
+    if not rows:
         return
+    routed = next(bw["routed_bytes"] for bw in entry["bandwidth"] if "routed_bytes" in bw)
     print(
-        f"\ntime model ({entry['label']}): t = (D + A) / B_g + (1 - h) R / B_c, B_g "
-        f"{bw['b_gpu_gbps']:.0f} GB/s, B_c {bw['b_cpu_gbps']:.1f} GB/s, R "
-        f"{bw['routed_bytes'] / 1e9:.3f} GB\n"
+        f"\ntime model ({entry['label']}): t = (D + A) / B_g + (1 - h) R / B_c, R "
+        f"{routed / 1e9:.3f} GB; B_g, B_c: bench-bw in the row's round\n"
     )
-    print("| config | h | D + A, GB | model ms | measured ms | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in entry["rows"]:
-        tm = r.get("time_model")
-        if tm:
-            print(
-                f"| {r['config']} | {r['hit_rate']:.3f} | "
-                f"{(r['dense_bytes'] + tm['kv_bytes']) / 1e9:.3f} | {tm['model_ms']:.2f} | "
-                f"{tm['measured_ms']:.2f} | {tm['ratio']:.2f} |"
-            )
+    print("| config | h | D + A, GB | B_g GB/s | B_c GB/s | model ms | measured ms | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        tm = r["time_model"]
+        print(
+            f"| {r['config']} | {r['hit_rate']:.3f} | "
+            f"{(r['dense_bytes'] + tm['kv_bytes']) / 1e9:.3f} | {tm['b_gpu_gbps']:.0f} | "
+            f"{tm['b_cpu_gbps']:.1f} | {tm['model_ms']:.2f} | {tm['measured_ms']:.2f} | "
+            f"{tm['ratio']:.2f} |"
+        )
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per row, the round with the median tg (the lower middle one of an even count; a
+    failed round only where every round failed), with every round's tg in ``tg_rounds``:
+    rows run in turn each round, so drift of the host's speed reaches every row alike."""
+    merged = []
+    for runs in zip(*rounds, strict=True):
+        ok = sorted((r for r in runs if r["tg"]), key=lambda r: r["tg"])
+        row = dict(ok[(len(ok) - 1) // 2] if ok else runs[0])
+        row["tg_rounds"] = [r["tg"] for r in runs]
+        merged.append(row)
+    return merged
 
 
 def default_ncmoe(n_layers: int, fraction: float) -> list[int]:
@@ -361,7 +376,8 @@ def print_table(entry: dict[str, Any]) -> None:
     print(
         f"\n### {entry['label']}: {entry['n_layers']} layers ({entry['n_moe_layers']} MoE), "
         f"experts {entry['expert_bytes'] / _MIB:.0f} MiB, cache {entry['cache_mib']} MiB, "
-        f"tg{entry['n']}, {entry['r']} repetitions"
+        f"tg{entry['n']}, {entry['r']} repetitions, each row the median of "
+        f"{len(entry['rounds'])} rounds"
     )
     print(f"reference: {entry['reference_why']}\n")
     print(
@@ -377,11 +393,17 @@ def print_table(entry: dict[str, Any]) -> None:
             print(f"| {name} | failed: {err} | | | | | | |")
             continue
         print(
-            f"| {name} | {_cell(r['tg'], '.2f')} | {_cell(r['ratio'], '.2f')} "
+            f"| {name} | {_cell(r['tg'], '.2f')}{_spread(r)} | {_cell(r['ratio'], '.2f')} "
             f"| {_cell(r['peak_vram_mib'], 'd')} | {_cell(r['peak_rss_mib'], '.0f')} "
             f"| {_cell(r.get('hit_rate'), '.1%')} | {_cell(r.get('cpu_busy_share'), '.0%')} "
             f"| {_step_split(r)} |"
         )
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """The other rounds' range beside the median, when there were rounds."""
+    tgs = [t for t in row.get("tg_rounds", []) if t]
+    return f" ({min(tgs):.1f}-{max(tgs):.1f})" if len(tgs) > 1 else ""
 
 
 def _step_split(row: dict[str, Any]) -> str:
@@ -455,6 +477,12 @@ def main() -> None:
         default=True,
         help="run freetoken bench-bw per model and set issue 7's time model beside each row",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every row this many times, in turn, and report each row's median round",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -464,6 +492,8 @@ def main() -> None:
             for m in c.split("+")[1:]
         ):
             ap.error(f"--configs {c}: modifiers are +adaptive, +profile, +tN and +pollN")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     ncmoe_arg = [int(v) for v in args.ncmoe.split(",")] if args.ncmoe else None
 
     report: dict[str, Any] = {
@@ -472,6 +502,7 @@ def main() -> None:
         "threads": args.threads,
         "fraction": args.fraction,
         "configs": configs,
+        "rounds": args.rounds,
         "models": [],
     }
 
@@ -480,9 +511,11 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
 
-    for i, model in enumerate(args.model):
+    entries = []
+    for model in args.model:
         entry: dict[str, Any] = {"label": os.path.basename(model), "path": model}
-        entry |= {"n": args.n, "r": args.r, "rows": [], "reference": None, "handoff": None}
+        entry |= {"n": args.n, "r": args.r, "rounds": [], "bandwidth": []}
+        entry |= {"rows": [], "reference": None, "handoff": None}
         report["models"].append(entry)
         try:
             entry |= model_info(model)
@@ -493,16 +526,26 @@ def main() -> None:
             continue
         entry["cache_mib"] = int(args.fraction * entry["expert_bytes"] / _MIB)
         entry["ncmoe"] = ncmoe_arg or default_ncmoe(entry["n_layers"], args.fraction)
-        if args.time_model:
-            entry["bandwidth"] = bandwidths(model)
-        for v in entry["ncmoe"]:
-            entry["rows"].append(llama(args, model, v))
-            save()
-        for c in configs:
-            entry["rows"].append(freetoken(args, model, c, entry["cache_mib"]))
-            save()
+        entries.append(entry)
+    for _ in range(args.rounds):
+        for entry in entries:
+            model = entry["path"]
+            bw = bandwidths(model) if args.time_model else None
+            if bw is not None:
+                entry["bandwidth"].append(bw)
+            rows: list[dict[str, Any]] = []
+            entry["rounds"].append(rows)
+            for v in entry["ncmoe"]:
+                rows.append(llama(args, model, v))
+                save()
+            for c in configs:
+                rows.append(freetoken(args, model, c, entry["cache_mib"]))
+                save()
+            kv = entry["kv_bytes_per_position"] * entry["n"] / 2  # the tg run's mean position
+            time_model(rows, bw, kv)
+    for i, entry in enumerate(entries):
+        entry["rows"] = merge_rounds(entry["rounds"])
         set_reference(entry)
-        time_model(entry)
         print_table(entry)
         print_time_model(entry)
         if i == 0 and args.handoff_cost:
