@@ -174,16 +174,51 @@ def print_time_model(entry: dict[str, Any]) -> None:
         f"\ntime model ({entry['label']}): t = (D + A) / B_g + (1 - h) R / B_c, R "
         f"{routed / 1e9:.3f} GB; B_g, B_c: bench-bw in the row's round\n"
     )
-    print("| config | h | D + A, GB | B_g GB/s | B_c GB/s | model ms | measured ms | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    step = "b_gpu_step_gbps" in rows[0]["time_model"]
+    if step:
+        print(
+            "B_g (step): the all-resident gpu decode's bytes over its time, "
+            f"{rows[0]['time_model']['b_gpu_step_gbps']:.0f} GB/s\n"
+        )
+    extra = " model ms, B_g (step) | ratio |" if step else ""
+    print(
+        "| config | h | D + A, GB | B_g GB/s | B_c GB/s | model ms | measured ms | ratio |" + extra
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: | ---: |" * step)
     for r in rows:
         tm = r["time_model"]
+        more = f" {tm['model_step_ms']:.2f} | {tm['ratio_step']:.2f} |" if step else ""
         print(
             f"| {r['config']} | {r['hit_rate']:.3f} | "
             f"{(r['dense_bytes'] + tm['kv_bytes']) / 1e9:.3f} | {tm['b_gpu_gbps']:.0f} | "
             f"{tm['b_cpu_gbps']:.1f} | {tm['model_ms']:.2f} | {tm['measured_ms']:.2f} | "
-            f"{tm['ratio']:.2f} |"
+            f"{tm['ratio']:.2f} |" + more
         )
+
+
+def decode_bandwidth(entry: dict[str, Any]) -> float | None:
+    """The device read bandwidth of a whole decode step (GB/s): the bytes the all-resident
+    ``gpu`` step of the hand-off measurement reads (dense weights, KV, the routed experts) over
+    its time. Small launch-bound kernels get far less than bench-bw's expert kernels."""
+    gpu_row = (entry.get("handoff") or {}).get("gpu") or {}
+    routed = [bw["routed_bytes"] for bw in entry["bandwidth"] if "routed_bytes" in bw]
+    if not gpu_row.get("tg") or not gpu_row.get("dense_bytes") or not routed:
+        return None
+    kv = entry["kv_bytes_per_position"] * entry["n"] / 2
+    return (gpu_row["dense_bytes"] + kv + routed[0]) * gpu_row["tg"] / 1e9
+
+
+def step_model(rows: list[dict[str, Any]], b_step: float) -> None:
+    """The time model again with ``b_step`` (:func:`decode_bandwidth`) for B_g."""
+    for r in rows:
+        tm = r.get("time_model")
+        if not tm:
+            continue
+        dense = r["dense_bytes"] + tm["kv_bytes"]
+        cpu_ms = tm["model_ms"] - dense / (tm["b_gpu_gbps"] * 1e6)
+        tm["b_gpu_step_gbps"] = b_step
+        tm["model_step_ms"] = dense / (b_step * 1e6) + cpu_ms
+        tm["ratio_step"] = tm["measured_ms"] / tm["model_step_ms"]
 
 
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -543,13 +578,18 @@ def main() -> None:
                 save()
             kv = entry["kv_bytes_per_position"] * entry["n"] / 2  # the tg run's mean position
             time_model(rows, bw, kv)
-    for i, entry in enumerate(entries):
+    b_step = None
+    if entries and args.handoff_cost:
+        entries[0]["handoff"] = handoff_cost(args, entries[0])
+        b_step = decode_bandwidth(entries[0])
+        report["b_gpu_step_gbps"] = b_step
+    for entry in entries:
         entry["rows"] = merge_rounds(entry["rounds"])
+        if b_step is not None:
+            step_model(entry["rows"], b_step)
         set_reference(entry)
         print_table(entry)
         print_time_model(entry)
-        if i == 0 and args.handoff_cost:
-            entry["handoff"] = handoff_cost(args, entry)
         save()
         sys.stdout.flush()
 
