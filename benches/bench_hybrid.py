@@ -7,7 +7,8 @@ process per N), and ``freetoken bench`` per configuration (``--configs``: a stra
 profile made once by ``freetoken profile`` on other text, ``+tN`` for ``-t N`` (without it
 FreeToken picks its own threads; ``-t`` is llama.cpp's): ``hybrid+profile+t8,hybrid+profile+t12``
 sweeps the executor's threads, ``+pollN``
-for ``--poll N``, how long idle CPU workers poll before they sleep) with a GPU
+for ``--poll N``, how long idle CPU workers poll before they sleep, ``+nommap`` for
+``--no-mmap``) with a GPU
 expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi``
 (``run_with_vram`` of bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against
 llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the
@@ -284,6 +285,8 @@ def freetoken(
         cmd += ["--moe-cache-mib", str(cache_mib)]
     if "adaptive" in mods:
         cmd += ["--moe-cache-adaptive"]
+    if "nommap" in mods:
+        cmd += ["--no-mmap"]
     row: dict[str, Any] = {"engine": "freetoken", "config": config, "strategy": strategy}
     row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
     if "profile" in mods:
@@ -498,7 +501,8 @@ def main() -> None:
         "--configs",
         default="hybrid+adaptive,hybrid,offload,cpu",
         help="comma-separated freetoken --moe-strategy values (+adaptive: --moe-cache-adaptive, "
-        "+profile: a seeding profile, +tN: -t N for FreeToken, +pollN: --poll N)",
+        "+profile: a seeding profile, +nommap: --no-mmap, +tN: -t N for FreeToken, +pollN: "
+        "--poll N)",
     )
     ap.add_argument(
         "--handoff-cost",
@@ -523,10 +527,11 @@ def main() -> None:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if any(
-            m not in ("adaptive", "profile") and not (_THREADS.fullmatch(m) or _POLL.fullmatch(m))
+            m not in ("adaptive", "profile", "nommap")
+            and not (_THREADS.fullmatch(m) or _POLL.fullmatch(m))
             for m in c.split("+")[1:]
         ):
-            ap.error(f"--configs {c}: modifiers are +adaptive, +profile, +tN and +pollN")
+            ap.error(f"--configs {c}: modifiers are +adaptive, +profile, +nommap, +tN, +pollN")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     ncmoe_arg = [int(v) for v in args.ncmoe.split(",")] if args.ncmoe else None

@@ -147,6 +147,22 @@ def test_cpu_bytes_agree_with_the_gguf(
     measured: tuple[dict[str, Any], Path], models: dict[str, Path]
 ) -> None:
     doc, _ = measured
+    assert doc["host"]["mmap"] is True
+    check_cpu_counts(doc, models)
+
+
+def test_no_mmap_measures_the_copy_in_memory(models: dict[str, Path], tmp_path: Path) -> None:
+    """``--no-mmap``: the model read into memory first, as the engine's flag does; the same
+    experts and bytes counted."""
+    r = bench_bw(models["moe"], tmp_path, "-o", "json", "--no-mmap")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["host"]["mmap"] is False
+    check_cpu_counts(doc, models)
+
+
+def check_cpu_counts(doc: dict[str, Any], models: dict[str, Path]) -> None:
+    """Each kind's CPU rates count the experts and bytes the GGUF says the walk reads."""
     layers = gguf_layers(models["moe"])
     n_experts, top_k = gguf_routing(models["moe"])
     for key, entry in doc["kinds"].items():

@@ -44,6 +44,22 @@ def test_valid_file_reads_like_gguf_py(good: Path) -> None:
     np.testing.assert_array_equal(ours.array(t.name), np.asarray(t.data))
 
 
+def test_no_mmap_reads_the_same_bytes_as_gguf_py(tmp_path: Path) -> None:
+    """``--no-mmap``: the data read into memory is the file's, tensor by tensor (gguf-py's
+    reader of the same file), and the progress callback reaches the file's size."""
+    rng = np.random.default_rng(3)
+    tensors = {
+        f"t{i}.weight": rng.standard_normal((8 + i, 64)).astype(np.float32) for i in range(3)
+    }
+    path = write_gguf(tmp_path / "m.gguf", tensors=tensors)
+    seen: list[tuple[int, int]] = []
+    ours = GGUFFile(path, mmap=False, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (path.stat().st_size, path.stat().st_size)
+    ref = gguf.GGUFReader(str(path))
+    for t in ref.tensors:
+        np.testing.assert_array_equal(ours.array(t.name), np.asarray(t.data))
+
+
 def test_text_file(tmp_path: Path) -> None:
     p = tmp_path / "notes.gguf"
     p.write_text("hello, this is not a model\n")

@@ -22,6 +22,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from freetoken.engine.options import EngineOptions
 from freetoken.errors import FileAccessError
 from freetoken.llm import LLM
 from freetoken.testmodel import make_test_model
@@ -130,8 +131,8 @@ def llama_runs(model_files: dict[str, Path], llama_ref_root: Path) -> dict[str, 
     return runs
 
 
-def _ours(path: Path, runs: list[Run]) -> list[np.ndarray]:
-    llm = LLM(path, n_ctx=512)
+def _ours(path: Path, runs: list[Run], mmap: bool = True) -> list[np.ndarray]:
+    llm = LLM(path, n_ctx=512, engine=EngineOptions(mmap=mmap))
     assert llm.model.moe is not None, "an MoE model must run the expert executor"
     out = []
     for r in runs:
@@ -150,6 +151,17 @@ def test_matches_llamacpp(
         c = compare(run.ref, ours)
         assert not c.mismatches, f"{name} {prompt!r}: {c.describe()}"
         assert c.mean_kl <= MAX_KL_LLAMA, f"{name} {prompt!r}: {c.describe()}"
+
+
+def test_no_mmap_matches_llamacpp(
+    model_files: dict[str, Path], llama_runs: dict[str, list[Run]]
+) -> None:
+    """``--no-mmap``: the experts read from the copy in memory, same agreement."""
+    name = next(iter(MODELS))
+    runs = llama_runs[name]
+    for run, ours in zip(runs, _ours(model_files[name], runs, mmap=False), strict=True):
+        c = compare(run.ref, ours)
+        assert not c.mismatches and c.mean_kl <= MAX_KL_LLAMA, f"{name}: {c.describe()}"
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -68,18 +68,21 @@ def profile_path(gpu_name: str | None) -> Path:
     return cache_dir() / "bandwidth" / f"{name or 'gpu'}-{digest}.json"
 
 
-def document(model: str | os.PathLike[str], threads: int | None, seconds: float) -> dict[str, Any]:
-    """Measures ``model`` and returns what ``bench-bw -o json`` prints: the machine, the GPU
-    (or why there is none) and one entry per layer kind."""
+def document(
+    model: str | os.PathLike[str], threads: int | None, seconds: float, mmap: bool = True
+) -> dict[str, Any]:
+    """Measures ``model`` (mapped, or read into memory: ``mmap``) and returns what ``bench-bw
+    -o json`` prints: the machine, the GPU (or why there is none) and one entry per layer
+    kind."""
     from freetoken.engine.bandwidth import measure_model
 
-    measured = measure_model(model, threads, seconds)
+    measured = measure_model(model, threads, seconds, mmap)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     name = os.path.basename(model)
     return {
         "format": FORMAT,
         "version": VERSION,
-        "host": {"cpu": cpu_model(), "threads": measured["host_threads"]},
+        "host": {"cpu": cpu_model(), "threads": measured["host_threads"], "mmap": mmap},
         "gpu": measured["gpu"],
         "model": name,
         "seconds": seconds,
@@ -224,6 +227,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seconds", type=float, default=2.0, help="duration of each measurement (default 2)"
     )
+    p.add_argument(
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
+        help="read the model into memory first, as the engine's --no-mmap",
+    )
 
 
 def _gbps(rate: dict[str, Any] | None) -> str:
@@ -254,7 +263,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Measures, saves the profile in the cache and prints it (md table or JSON)."""
-    doc = document(args.model, args.threads, args.seconds)
+    doc = document(args.model, args.threads, args.seconds, args.mmap)
     path = save(doc)
     sys.stdout.write(json.dumps(doc) + "\n" if args.output == "json" else markdown(doc))
     print(f"wrote {path}", file=sys.stderr)

@@ -113,8 +113,10 @@ class LLM:
         torch.set_num_threads(1)
         self.verbose = verbose
         self.path = os.fspath(path)
-        self.gguf = GGUFFile(self.path)
-        bar = ProgressBar(f"loading {os.path.basename(self.path)}") if progress else None
+        name = os.path.basename(self.path)
+        reading = ProgressBar(f"reading {name}") if progress and not engine.mmap else None
+        self.gguf = GGUFFile(self.path, mmap=engine.mmap, progress=reading)
+        bar = ProgressBar(f"loading {name}") if progress else None
         # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t).
         moe_threads = (
             engine.moe_cpu_threads or n_threads or default_threads(engine_options.use_gpu(engine))

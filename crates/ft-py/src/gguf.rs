@@ -32,10 +32,32 @@ fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
 
 #[pymethods]
 impl PyGgufFile {
-    /// Parses and maps `path` (the first part of a split model opens every part).
+    /// Parses and maps `path` (the first part of a split model opens every part); with
+    /// `mmap=False` the data is then read into anonymous memory backed by huge pages where the
+    /// kernel allows (`GgufFile::read_into_memory`), calling `progress(done, total)` per chunk.
     #[new]
-    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
-        let inner = py.detach(|| GgufFile::open(&path)).py_err()?;
+    #[pyo3(signature = (path, mmap=true, progress=None))]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        mmap: bool,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let mut inner = py.detach(|| GgufFile::open(&path)).py_err()?;
+        if !mmap {
+            // The GIL stays held for the progress calls; nothing else runs during a load.
+            let mut failed = None;
+            inner
+                .read_into_memory(|done, total| {
+                    if let (Some(cb), None) = (&progress, &failed) {
+                        failed = cb.call1(py, (done, total)).err();
+                    }
+                })
+                .py_err()?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
         Ok(PyGgufFile {
             inner: Arc::new(inner),
         })

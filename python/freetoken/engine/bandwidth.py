@@ -439,11 +439,12 @@ def measure_kind(
 
 
 def measure_model(
-    path: str | os.PathLike[str], threads: int | None, seconds: float
+    path: str | os.PathLike[str], threads: int | None, seconds: float, mmap: bool = True
 ) -> dict[str, Any]:
-    """Loads the model (experts on the CPU executor, ``threads`` threads; default: as many as
-    hybrid uses beside the GPU) and measures each layer kind for ``seconds`` per measurement:
-    ``{"host_threads", "gpu": {available, name, detail}, "kinds": {kind key: entry}}``."""
+    """Loads the model (experts on the CPU executor, ``threads`` threads, default: as many as
+    hybrid uses beside the GPU; mapped or read into memory, ``mmap``) and measures each layer
+    kind for ``seconds`` per measurement: ``{"host_threads", "gpu": {available, name,
+    detail}, "kinds": {kind key: entry}}``."""
     from freetoken.engine.moe import default_threads
     from freetoken.gguf import GGUFFile
     from freetoken.models import load_model
@@ -452,7 +453,7 @@ def measure_model(
         raise InvalidInputError(f"--seconds must be positive, got {seconds}")
     if threads is not None and threads < 1:
         raise InvalidInputError(f"-t must be at least 1, got {threads}")
-    gguf = GGUFFile(path)  # a bad file fails before the GPU probe says anything
+    gguf = GGUFFile(path, mmap=mmap)  # a bad file fails before the GPU probe says anything
     device, about = gpu_device()
     model = load_model(gguf, None, threads or default_threads(with_gpu=device is not None))
     kinds = group_layers(model, os.fspath(path))

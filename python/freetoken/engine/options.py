@@ -54,7 +54,9 @@ class EngineOptions:
     poll for the next job ``poll`` x 20 µs before they sleep (None: 100 µs).
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
     engine/cpu_layers.py).
-    ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py)."""
+    ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py).
+    ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
+    huge-page-backed memory (freetoken.gguf.GGUFFile)."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -68,6 +70,7 @@ class EngineOptions:
     poll: int | None = None
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
+    mmap: bool = True
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -146,6 +149,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dense-weights", choices=DENSE_MODES, default="quant", help="GPU dense products"
     )
+    g.add_argument(
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
+        help="read the model into memory (huge pages where the kernel allows) instead of "
+        "mapping it: faster CPU experts, needs the model's size free in RAM",
+    )
 
 
 def from_args(args: argparse.Namespace) -> EngineOptions:
@@ -163,6 +173,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         poll=args.poll,
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
+        mmap=args.mmap,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -39,8 +39,17 @@ class GGUFFile:
     mapping and keep it alive.
     """
 
-    def __init__(self, path: str | PathLike[str]) -> None:
-        self._file = _core.GGUFFile(str(path))
+    def __init__(
+        self,
+        path: str | PathLike[str],
+        mmap: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """``mmap=False`` (llama.cpp's ``--no-mmap``) reads the data into anonymous memory,
+        backed by 2 MiB pages where transparent huge pages allow, instead of mapping the file:
+        no page walk every 4 KiB when the CPU streams experts (an InvalidInputError when it
+        does not fit MemAvailable); ``progress(done, total)`` is called as it reads."""
+        self._file = _core.GGUFFile(str(path), mmap, progress)
         self.path = str(path)
         self.metadata: dict[str, Any] = self._file.metadata()
         self.tensors: dict[str, TensorInfo] = {

@@ -5,10 +5,11 @@ mod reader;
 mod value;
 
 use freetoken_ggml::{Error, GgmlType, Result};
-use memmap2::Mmap;
+use memmap2::{Advice, Mmap, MmapMut};
 use reader::Reader;
 use std::collections::HashMap;
 use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 pub use value::Value;
 
@@ -174,6 +175,16 @@ fn parse(path: &Path, file_index: usize) -> Result<Part> {
     })
 }
 
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The kernel's estimate of memory available without swapping (bytes), where it says.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// The paths of all parts when `path` is the first of a split model (`*-00001-of-0000N.gguf`).
 fn split_paths(path: &Path, count: usize) -> Result<Vec<PathBuf>> {
     let fname = path
@@ -301,6 +312,56 @@ impl GgufFile {
     pub fn bytes(&self, file: usize, offset: usize, len: usize) -> &[u8] {
         &self.maps[file][offset..offset + len]
     }
+
+    /// Bytes of all parts together.
+    pub fn total_bytes(&self) -> u64 {
+        self.maps.iter().map(|m| m.len() as u64).sum()
+    }
+
+    /// Replaces each part's file mapping with a copy in anonymous memory that the kernel may
+    /// back with 2 MiB pages (llama.cpp's `--no-mmap`, with `MADV_HUGEPAGE`): streaming
+    /// experts from 4 KiB file pages costs a page walk per page, which small one-token jobs
+    /// pay as a fixed tens of microseconds each (benches/README.md). Call before any view of
+    /// the data is taken. `progress(done, total)` after each chunk read.
+    pub fn read_into_memory(&mut self, mut progress: impl FnMut(u64, u64)) -> Result<()> {
+        const CHUNK: usize = 64 << 20;
+        let total = self.total_bytes();
+        // Anonymous memory is not paged back to the file: a copy larger than what the host
+        // has free would end in the OOM killer, not in an error.
+        if let Some(avail) = mem_available() {
+            if total > avail {
+                return Err(Error::InvalidInput(format!(
+                    "{}: reading the model's {:.1} GiB into memory needs more than the {:.1} GiB \
+                     available (MemAvailable); keep it memory-mapped",
+                    self.paths[0].display(),
+                    total as f64 / GIB,
+                    avail as f64 / GIB
+                )));
+            }
+        }
+        let mut done = 0u64;
+        for (map, path) in self.maps.iter_mut().zip(&self.paths) {
+            let io = |what: &str, e: std::io::Error| {
+                Error::Io(format!("{}: {what}: {e}", path.display()))
+            };
+            let mut anon = MmapMut::map_anon(map.len())
+                .map_err(|e| io("cannot allocate memory for the model", e))?;
+            // Advice only: without transparent huge pages the copy still works.
+            let _ = anon.advise(Advice::HugePage);
+            let mut file = File::open(path).map_err(|e| io("cannot open", e))?;
+            for chunk in anon.chunks_mut(CHUNK) {
+                file.read_exact(chunk).map_err(|e| io("cannot read", e))?;
+                done += chunk.len() as u64;
+                progress(done, total);
+            }
+            // Same length as the mapping, so every offset checked at open stays in bounds (a
+            // file shortened since fails read_exact above).
+            *map = anon
+                .make_read_only()
+                .map_err(|e| io("cannot protect the copy", e))?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -368,5 +429,34 @@ mod tests {
         let p = write(&gguf_bytes(64, 32), "past");
         let e = GgufFile::open(&p).err().unwrap();
         assert!(e.message().contains("runs past"), "{e}");
+    }
+
+    #[test]
+    fn read_into_memory_keeps_every_byte_and_reports_progress() {
+        let mut bytes = gguf_bytes(0, 32);
+        let n = bytes.len();
+        bytes[n - 32..]
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8 * 7 + 1);
+        let p = write(&bytes, "read");
+        let mut f = GgufFile::open(&p).unwrap();
+        let mut seen = vec![];
+        f.read_into_memory(|done, total| seen.push((done, total)))
+            .unwrap();
+        assert_eq!(seen.last(), Some(&(n as u64, n as u64)));
+        assert_eq!(f.bytes(0, 0, n), &bytes[..]);
+        assert_eq!(f.data(f.tensor("w").unwrap()), &bytes[n - 32..]);
+        // A file shortened after it was parsed is an error, not a short copy.
+        let mut g = GgufFile::open(&p).unwrap();
+        File::create(&p)
+            .unwrap()
+            .write_all(&bytes[..n - 1])
+            .unwrap();
+        let e = g.read_into_memory(|_, _| {}).err().unwrap();
+        assert!(
+            matches!(e, Error::Io(_)) && e.message().contains("cannot read"),
+            "{e}"
+        );
     }
 }
