@@ -47,8 +47,8 @@ class GGUFFile:
     ) -> None:
         """``mmap=False`` (llama.cpp's ``--no-mmap``) reads the data into anonymous memory,
         backed by 2 MiB pages where transparent huge pages allow, instead of mapping the file:
-        no page walk every 4 KiB when the CPU streams experts (an InvalidInputError when it
-        does not fit MemAvailable); ``progress(done, total)`` is called as it reads."""
+        the CPU streams experts a few percent faster (an InvalidInputError when it does not
+        fit MemAvailable); ``progress(done, total)`` is called as it reads."""
         self._file = _core.GGUFFile(str(path), mmap, progress)
         self.path = str(path)
         self.metadata: dict[str, Any] = self._file.metadata()
