@@ -31,6 +31,25 @@ const GROUP: usize = 4;
 /// ahead.
 pub(crate) const PASS_ROWS: usize = 16;
 
+/// Asks for `bytes` (a task's first pass of weight rows) to be brought into the caches. The
+/// group kernels prefetch one pass ahead, so a task's later passes arrive in time, and on one
+/// thread so does the next task's first (the blocks are adjacent); with several threads a
+/// task's first pass is a block another thread did not stream, and four interleaved rows are
+/// streams the hardware prefetcher does not follow: its misses came one after another.
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch of a valid address only hints the caches.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Activation rows (tokens) the multi-token group kernels take at once, largest first: each
 /// group of weight blocks is unpacked once for all of them. 128-token products on the 2-core
 /// dev machine (AMD EPYC): Q5_0 160 -> 380 GFLOP/s, Q4_0 200 -> 410, Q8_0 230 -> 420 with 8

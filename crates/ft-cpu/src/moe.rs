@@ -5,7 +5,7 @@
 //! over (expert, row block) pairs on the pool.
 
 use crate::acts::ActCodec;
-use crate::kernels::{RowDots, PASS_ROWS};
+use crate::kernels::{prefetch, RowDots, PASS_ROWS};
 use crate::matmul::{quantize_rows_with, OutPtr};
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
@@ -393,6 +393,9 @@ pub fn moe_forward_with(
                 vec![0f32; routes.len() * PASS_ROWS],
                 vec![0f32; routes.len() * PASS_ROWS],
             );
+            let first = rows.start..(rows.start + PASS_ROWS).min(rows.end);
+            prefetch(w.gate.rows(ex, first.clone(), &kg));
+            prefetch(w.up.rows(ex, first, &ku));
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
                 let n = pass.len();
@@ -449,6 +452,10 @@ pub fn moe_forward_with(
                 })
                 .collect();
             let mut yv = vec![0f32; routes.len() * PASS_ROWS];
+            prefetch(
+                w.down
+                    .rows(ex, rows.start..(rows.start + PASS_ROWS).min(rows.end), &kd),
+            );
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
                 let yv = &mut yv[..routes.len() * pass.len()];
