@@ -6,11 +6,11 @@ host's bandwidth; the fixed part is paid 48 times a step (benches/README.md, ses
 This times ``run_experts`` on jobs of ``m`` distinct experts drawn at random over the
 model's MoE layers (so none is in the CPU's caches), the model mapped (``mmap``) and read
 into huge-page-backed memory (``--no-mmap``), and fits time = fixed + m x per expert.
-``--gap-us G`` waits G microseconds between jobs, as the GPU's part of a layer does in a
+``--gap-us G[,G...]`` waits G microseconds between jobs, as the GPU's part of a layer does in a
 hybrid step (about 100): past the pool's poll time (``--poll``, llama.cpp's 0-100 x 20 µs)
 the workers sleep and each job pays their wake-up.
 
-    python3 benches/bench_moe_jobs.py -m MODEL.gguf -t 1,12 [--gap-us 100] [--json out.json]
+    python3 benches/bench_moe_jobs.py -m MODEL.gguf -t 1,12 [--gap-us 0,100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -70,29 +70,32 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True, help="a MoE GGUF")
     ap.add_argument("-t", "--threads", default="1", help="comma-separated thread counts")
     ap.add_argument("--calls", type=int, default=400, help="timed jobs per expert count")
-    ap.add_argument("--gap-us", type=float, default=0.0, help="wait between jobs (µs)")
+    ap.add_argument("--gap-us", default="0", help="comma-separated waits between jobs (µs)")
     ap.add_argument("--poll", type=int, default=None, help="the executor's --poll (0-100)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     rows = []
-    print("| load | threads | " + " | ".join(f"{m} experts, us" for m in EXPERTS), end="")
-    print(" | fixed us | us per expert |")
-    print("| --- | ---: |" + " ---: |" * (len(EXPERTS) + 2))
+    gaps = [float(g) for g in args.gap_us.split(",")]
+    poll_us = None if args.poll is None else args.poll * POLL_STEP_US
+    print("| load | threads | gap µs | " + " | ".join(f"{m} experts, µs" for m in EXPERTS), end="")
+    print(" | fixed µs | µs per expert |")
+    print("| --- | ---: | ---: |" + " ---: |" * (len(EXPERTS) + 2))
     for mmap in (True, False):
         gguf = GGUFFile(args.model, mmap=mmap)
         for threads in (int(t) for t in args.threads.split(",")):
-            poll_us = None if args.poll is None else args.poll * POLL_STEP_US
-            times = job_times(gguf, threads, args.calls, args.gap_us, poll_us)
-            per, fixed = np.polyfit(list(times), list(times.values()), 1)
-            rows.append({"mmap": mmap, "threads": threads, "us": times, "fixed_us": fixed})
-            rows[-1]["per_expert_us"] = per
-            cells = " | ".join(f"{times[m]:.1f}" for m in EXPERTS)
-            load = "mmap" if mmap else "--no-mmap"
-            print(f"| {load} | {threads} | {cells} | {fixed:.1f} | {per:.1f} |", flush=True)
+            for gap in gaps:
+                times = job_times(gguf, threads, args.calls, gap, poll_us)
+                per, fixed = np.polyfit(list(times), list(times.values()), 1)
+                rows.append({"mmap": mmap, "threads": threads, "gap_us": gap, "us": times})
+                rows[-1] |= {"fixed_us": fixed, "per_expert_us": per}
+                cells = " | ".join(f"{times[m]:.1f}" for m in EXPERTS)
+                load = "mmap" if mmap else "--no-mmap"
+                row = f"| {load} | {threads} | {gap:.0f} | {cells} | {fixed:.1f} | {per:.1f} |"
+                print(row, flush=True)
         del gguf
     if args.json:
         with open(args.json, "w") as f:
-            doc = {"model": args.model, "calls": args.calls, "gap_us": args.gap_us}
+            doc = {"model": args.model, "calls": args.calls}
             json.dump(doc | {"poll": args.poll, "rows": rows}, f, indent=1)
 
 

@@ -10,6 +10,8 @@
 #                                         llama-bench -ncmoe on the uniform and zipf models
 #   bash scripts/device.sh bench-streams  on the GPU machine: 4 and 16 concurrent streams,
 #                                         freetoken serve (hybrid) against llama-server -ncmoe
+#   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
+#                                         executor's cost per one-token job (bench_moe_jobs.py)
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
 #   UI sources or unused backends: about 32 MB) and the abi3 wheel, built with the explicit GGML CPU
@@ -222,6 +224,15 @@ bench_streams() {
         --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
 }
 
+# The CPU expert executor's cost per one-token job on the benchmark model, mapped and read
+# into memory, by threads ($FT_JOB_THREADS) and wait between jobs ($FT_JOB_GAPS, µs).
+bench_jobs() {
+    bench_model
+    python3 benches/bench_moe_jobs.py -m "$BENCH_MODEL" -t "${FT_JOB_THREADS:-1,4,12}" \
+        --gap-us "${FT_JOB_GAPS:-0,100}" --calls 300 --json "$OUT/bench_moe_jobs.json" 2>&1 |
+        tee "$OUT/bench_moe_jobs.log"
+}
+
 # Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
@@ -244,10 +255,11 @@ for phase in "$@"; do
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
     bench-streams) bench_streams ;;
+    bench-jobs) bench_jobs ;;
     profile) profile_step ;;
     *)
         log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e," \
-            "bench-hybrid, bench-streams, profile)"
+            "bench-hybrid, bench-streams, bench-jobs, profile)"
         exit 2
         ;;
     esac
