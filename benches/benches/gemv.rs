@@ -2,7 +2,8 @@
 //!
 //! `bandwidth/read/<T>t` streams a buffer far larger than the last-level cache; `gemv/<type>/<T>t`
 //! runs y[1, N] = x[1, K] . W^T through ft-cpu on a weight matrix also far larger than the cache.
-//! `moe/{decode,prefill64}/<T>t` runs the expert executor on Qwen3-30B-A3B's MoE layer shape.
+//! `moe/{decode,miss2,prefill64}/<T>t` runs the expert executor on Qwen3-30B-A3B's MoE layer
+//! shape.
 //! All report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
 //! each figure by the probe's at the same thread count: decode is bound by streaming the
 //! weights, so that fraction says how much of the machine's bandwidth the kernels use.
@@ -65,6 +66,10 @@ const MOE_TILES: usize = 4;
 /// 21 MB), so that a call reads experts the previous fifteen did not and none comes from the
 /// 32 MiB L3, as in a decode step of the 8-layer model in README.md.
 const MOE_DECODE_SETS: usize = MOE_EXPERTS / MOE_TOP_K;
+/// A hybrid step's CPU job: one token whose `MOE_MISSES` routes missed the GPU cache, cycling
+/// through disjoint sets as decode does (64 pairs).
+const MOE_MISSES: usize = 2;
+const MOE_MISS_SETS: usize = MOE_EXPERTS / MOE_MISSES;
 /// Prefill: a 64-token batch.
 const MOE_PREFILL_TOKENS: usize = 64;
 
@@ -216,6 +221,7 @@ fn expert_mats(t: GgmlType, data: &[u8], n: usize, k: usize) -> ExpertMats<'_> {
 }
 
 /// `moe/decode/<T>t`: one token through the layer (`MOE_TOP_K` experts, each read once),
+/// `moe/miss2/<T>t`: one token's two routes (a small job, whose fixed costs show),
 /// `moe/prefill64/<T>t`: 64 tokens with random routes (nearly every expert read once). Both
 /// in Q4_0, counting the bytes of the distinct experts a call reads, as the executor's
 /// counters do.
@@ -303,6 +309,30 @@ fn moe(c: &mut Criterion) {
                 })
             });
         }
+    }
+    for pool in &pools {
+        let threads = pool.n_threads();
+        let bytes = MOE_MISSES * expert_bytes;
+        configure(&mut group, bytes);
+        group.bench_function(BenchmarkId::new("miss2", format!("{threads}t")), |b| {
+            let mut step = 0;
+            timed(b, "moe/miss2", threads, bytes, || {
+                // Set s holds experts s and s + 64.
+                let s = (step % MOE_MISS_SETS) as i32;
+                step += 1;
+                let o = &mut out[..MOE_HIDDEN];
+                moe_forward(
+                    pool,
+                    &w,
+                    black_box(&x[..MOE_HIDDEN]),
+                    &[s, s + MOE_MISS_SETS as i32],
+                    &route_weights[..MOE_MISSES],
+                    o,
+                )
+                .expect("shapes match");
+                black_box(o);
+            })
+        });
     }
     for pool in &pools {
         let threads = pool.n_threads();
