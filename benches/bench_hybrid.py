@@ -158,6 +158,7 @@ def time_model(rows: list[dict[str, Any]], bw: dict[str, Any] | None, kv: float)
             "kv_bytes": kv,
             "b_gpu_gbps": bw["b_gpu_gbps"],
             "b_cpu_gbps": bw["b_cpu_gbps"],
+            "cpu_ms": cpu_s * 1e3,
             "model_ms": (gpu_s + cpu_s) * 1e3,
             "measured_ms": 1e3 / r["tg"],
             "ratio": (1 / r["tg"]) / (gpu_s + cpu_s),
@@ -197,6 +198,11 @@ def print_time_model(entry: dict[str, Any]) -> None:
         )
 
 
+def kv_bytes(entry: dict[str, Any]) -> float:
+    """KV bytes a token of the tg run reads: the cache at the run's mean position."""
+    return entry["kv_bytes_per_position"] * entry["n"] / 2
+
+
 def decode_bandwidth(entry: dict[str, Any]) -> float | None:
     """The device read bandwidth of a whole decode step (GB/s): the bytes the all-resident
     ``gpu`` step of the hand-off measurement reads (dense weights, KV, the routed experts) over
@@ -205,8 +211,7 @@ def decode_bandwidth(entry: dict[str, Any]) -> float | None:
     routed = [bw["routed_bytes"] for bw in entry["bandwidth"] if "routed_bytes" in bw]
     if not gpu_row.get("tg") or not gpu_row.get("dense_bytes") or not routed:
         return None
-    kv = entry["kv_bytes_per_position"] * entry["n"] / 2
-    return (gpu_row["dense_bytes"] + kv + routed[0]) * gpu_row["tg"] / 1e9
+    return (gpu_row["dense_bytes"] + kv_bytes(entry) + routed[0]) * gpu_row["tg"] / 1e9
 
 
 def step_model(rows: list[dict[str, Any]], b_step: float) -> None:
@@ -215,10 +220,8 @@ def step_model(rows: list[dict[str, Any]], b_step: float) -> None:
         tm = r.get("time_model")
         if not tm:
             continue
-        dense = r["dense_bytes"] + tm["kv_bytes"]
-        cpu_ms = tm["model_ms"] - dense / (tm["b_gpu_gbps"] * 1e6)
         tm["b_gpu_step_gbps"] = b_step
-        tm["model_step_ms"] = dense / (b_step * 1e6) + cpu_ms
+        tm["model_step_ms"] = (r["dense_bytes"] + tm["kv_bytes"]) / (b_step * 1e6) + tm["cpu_ms"]
         tm["ratio_step"] = tm["measured_ms"] / tm["model_step_ms"]
 
 
@@ -581,8 +584,7 @@ def main() -> None:
             for c in configs:
                 rows.append(freetoken(args, model, c, entry["cache_mib"]))
                 save()
-            kv = entry["kv_bytes_per_position"] * entry["n"] / 2  # the tg run's mean position
-            time_model(rows, bw, kv)
+            time_model(rows, bw, kv_bytes(entry))
     b_step = None
     if entries and args.handoff_cost:
         entries[0]["handoff"] = handoff_cost(args, entries[0])

@@ -31,10 +31,10 @@ EXPERTS = (1, 2, 4, 8)
 
 
 def job_times(
-    gguf: GGUFFile, threads: int, calls: int, gap_us: float, poll_us: int | None
-) -> dict[int, float]:
-    """Median microseconds of a one-token job of m experts, per m (a tenth of the calls
-    first, untimed), ``gap_us`` apart."""
+    gguf: GGUFFile, threads: int, calls: int, gaps_us: list[float], poll_us: int | None
+) -> dict[float, dict[int, float]]:
+    """Per gap between jobs (µs) and per m, the median microseconds of a one-token job of m
+    experts (a tenth of the calls first, untimed); the model loaded once for them all."""
     model = load_model(gguf, None, threads, moe_poll_us=poll_us)
     layers = [ex for kind in group_layers(model).values() for ex in kind]
     executor = model.moe.executor  # type: ignore[union-attr]  # group_layers checked
@@ -48,20 +48,23 @@ def job_times(
             ids = torch.arange(e0, e0 + 8, dtype=torch.int32).view(1, 8)
             run_experts(executor, ex.layer, x, ids, ones, out)
     rng = np.random.default_rng(0)
-    result = {}
-    for m in EXPERTS:
-        weights = torch.full((1, m), 1.0 / m)
-        times = []
-        for i in range(calls + calls // 10):
-            t_gap = time.perf_counter() + gap_us / 1e6
-            while time.perf_counter() < t_gap:  # a busy wait: sleeps overshoot by ~50 us
-                pass
-            ex = layers[i % len(layers)]
-            ids = torch.from_numpy(rng.choice(ex.n_experts, m, replace=False).astype(np.int32))
-            t0 = time.perf_counter()
-            run_experts(executor, ex.layer, x, ids.view(1, m), weights, out)
-            times.append(time.perf_counter() - t0)
-        result[m] = float(np.median(times[calls // 10 :])) * 1e6
+    result: dict[float, dict[int, float]] = {}
+    for gap_us in gaps_us:
+        result[gap_us] = {}
+        for m in EXPERTS:
+            weights = torch.full((1, m), 1.0 / m)
+            times = []
+            for i in range(calls + calls // 10):
+                t_gap = time.perf_counter() + gap_us / 1e6
+                while time.perf_counter() < t_gap:  # a busy wait: sleeps overshoot by ~50 us
+                    pass
+                ex = layers[i % len(layers)]
+                ids = rng.choice(ex.n_experts, m, replace=False).astype(np.int32)
+                ids_t = torch.from_numpy(ids).view(1, m)
+                t0 = time.perf_counter()
+                run_experts(executor, ex.layer, x, ids_t, weights, out)
+                times.append(time.perf_counter() - t0)
+            result[gap_us][m] = float(np.median(times[calls // 10 :])) * 1e6
     return result
 
 
@@ -83,8 +86,8 @@ def main() -> None:
     for mmap in (True, False):
         gguf = GGUFFile(args.model, mmap=mmap)
         for threads in (int(t) for t in args.threads.split(",")):
-            for gap in gaps:
-                times = job_times(gguf, threads, args.calls, gap, poll_us)
+            by_gap = job_times(gguf, threads, args.calls, gaps, poll_us)
+            for gap, times in by_gap.items():
                 per, fixed = np.polyfit(list(times), list(times.values()), 1)
                 rows.append({"mmap": mmap, "threads": threads, "gap_us": gap, "us": times})
                 rows[-1] |= {"fixed_us": fixed, "per_expert_us": per}

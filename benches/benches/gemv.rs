@@ -62,14 +62,11 @@ const MOE_FFN: usize = 768;
 const MOE_TOP_K: usize = 8;
 /// Distinct quantized experts; the others repeat their bytes (as `TILE_ROWS` above).
 const MOE_TILES: usize = 4;
-/// Decode calls cycle through this many disjoint sets of `MOE_TOP_K` experts (16 sets of
-/// 21 MB), so that a call reads experts the previous fifteen did not and none comes from the
-/// 32 MiB L3, as in a decode step of the 8-layer model in README.md.
-const MOE_DECODE_SETS: usize = MOE_EXPERTS / MOE_TOP_K;
-/// A hybrid step's CPU job: one token whose `MOE_MISSES` routes missed the GPU cache, cycling
-/// through disjoint sets as decode does (64 pairs).
+/// A hybrid step's CPU job: one token whose `MOE_MISSES` routes missed the GPU cache. One-token
+/// calls cycle through disjoint sets of experts (16 sets of 8, 21 MB each; 64 pairs), so that a
+/// call reads experts the previous ones did not and none comes from the 32 MiB L3, as in a
+/// decode step of the 8-layer model in README.md.
 const MOE_MISSES: usize = 2;
-const MOE_MISS_SETS: usize = MOE_EXPERTS / MOE_MISSES;
 /// Prefill: a 64-token batch.
 const MOE_PREFILL_TOKENS: usize = 64;
 
@@ -247,14 +244,13 @@ fn moe(c: &mut Criterion) {
     };
     let expert_bytes = (gate.len() + up.len() + down.len()) / MOE_EXPERTS;
 
-    // Decode: set s holds experts s, s + 16, s + 32, ...
-    let decode_ids: Vec<Vec<i32>> = (0..MOE_DECODE_SETS)
-        .map(|s| {
-            (0..MOE_TOP_K)
-                .map(|j| (s + j * MOE_DECODE_SETS) as i32)
-                .collect()
-        })
-        .collect();
+    // One token: call s takes the disjoint set s of `k` experts, s, s + n, s + 2n, ... (n sets).
+    let disjoint_sets = |k: usize| -> Vec<Vec<i32>> {
+        let n = MOE_EXPERTS / k;
+        (0..n)
+            .map(|s| (0..k).map(|j| (s + j * n) as i32).collect())
+            .collect()
+    };
     // Prefill: distinct experts per token from a fixed xorshift sequence.
     let mut state = 0x8553_4f1b_27a1_9e03u64;
     let mut prefill_ids = Vec::with_capacity(MOE_PREFILL_TOKENS * MOE_TOP_K);
@@ -279,20 +275,26 @@ fn moe(c: &mut Criterion) {
     let mut out = vec![0f32; MOE_PREFILL_TOKENS * MOE_HIDDEN];
 
     let mut group = c.benchmark_group("moe");
-    // `decode-precise`: the same with residual activations (--moe-cpu-precise).
-    for (name, residual_acts) in [("decode", false), ("decode-precise", true)] {
+    // `decode-precise`: the same with residual activations (--moe-cpu-precise); `miss2`: the
+    // two routes of a hybrid step's CPU job.
+    for (name, k, residual_acts) in [
+        ("decode", MOE_TOP_K, false),
+        ("decode-precise", MOE_TOP_K, true),
+        ("miss2", MOE_MISSES, false),
+    ] {
         let opts = ForwardOptions {
             residual_acts,
             ..ForwardOptions::default()
         };
+        let sets = disjoint_sets(k);
         for pool in &pools {
             let threads = pool.n_threads();
-            let bytes = MOE_TOP_K * expert_bytes;
+            let bytes = k * expert_bytes;
             configure(&mut group, bytes);
             group.bench_function(BenchmarkId::new(name, format!("{threads}t")), |b| {
                 let mut step = 0;
                 timed(b, &format!("moe/{name}"), threads, bytes, || {
-                    let ids = &decode_ids[step % MOE_DECODE_SETS];
+                    let ids = &sets[step % sets.len()];
                     step += 1;
                     let o = &mut out[..MOE_HIDDEN];
                     moe_forward_with(
@@ -300,7 +302,7 @@ fn moe(c: &mut Criterion) {
                         &w,
                         black_box(&x[..MOE_HIDDEN]),
                         ids,
-                        &route_weights[..MOE_TOP_K],
+                        &route_weights[..k],
                         o,
                         opts,
                     )
@@ -309,30 +311,6 @@ fn moe(c: &mut Criterion) {
                 })
             });
         }
-    }
-    for pool in &pools {
-        let threads = pool.n_threads();
-        let bytes = MOE_MISSES * expert_bytes;
-        configure(&mut group, bytes);
-        group.bench_function(BenchmarkId::new("miss2", format!("{threads}t")), |b| {
-            let mut step = 0;
-            timed(b, "moe/miss2", threads, bytes, || {
-                // Set s holds experts s and s + 64.
-                let s = (step % MOE_MISS_SETS) as i32;
-                step += 1;
-                let o = &mut out[..MOE_HIDDEN];
-                moe_forward(
-                    pool,
-                    &w,
-                    black_box(&x[..MOE_HIDDEN]),
-                    &[s, s + MOE_MISS_SETS as i32],
-                    &route_weights[..MOE_MISSES],
-                    o,
-                )
-                .expect("shapes match");
-                black_box(o);
-            })
-        });
     }
     for pool in &pools {
         let threads = pool.n_threads();
