@@ -405,11 +405,12 @@ class HybridExperts(OffloadExperts):
         the next step's kernels."""
         if not entries:
             return
-        pos, expert, slot = (np.array(c, dtype=np.int64) for c in zip(*entries, strict=True))
+        table = np.ascontiguousarray(np.array(entries, dtype=np.int64).T)  # [3, n]: one copy
+        pos, expert, slot = table
         self.resident[pos, expert] = slot
         self.origin[pos, expert] = np.where(slot >= 0, FILLED, 0)
-        idx = (torch.from_numpy(pos).to(self.device), torch.from_numpy(expert).to(self.device))
-        self.resident_dev[idx] = torch.from_numpy(slot.astype(np.int32)).to(self.device)
+        dev = torch.from_numpy(table).to(self.device)
+        self.resident_dev[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def _start_uploads(
         self, cache: SlotCache, pools: tuple[gpu.ExpertPool, ...], ups: list[Upload]
