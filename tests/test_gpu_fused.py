@@ -7,7 +7,7 @@ with a stride), as the attention passes them. ``gpu.topk_softmax`` (routing) aga
 top-k, a float64 softmax of the chosen logits and a bincount of the routes.
 ``gpu.attn_decode`` (one query over the cached keys) against a float64 softmax attention with
 the causal and window masks and sinks written out; the cache a strided view of a larger one,
-as the KV cache hands it out.
+as the KV cache hands it out, values in rows of positions or transposed.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def _attn_reference(q, k, v, pos: int, scale: float, window: int, sinks) -> torc
     ],
 )
 @pytest.mark.parametrize("pos_on_gpu", [False, True])
+@pytest.mark.parametrize("v_transposed", [False, True])
 def test_attn_decode_matches_float64(
     heads: int,
     kv: int,
@@ -149,12 +150,17 @@ def test_attn_decode_matches_float64(
     window: int,
     with_sinks: bool,
     pos_on_gpu: bool,
+    v_transposed: bool,
 ) -> None:
     g = torch.Generator().manual_seed(heads * 1000 + n_keys)
     q = torch.randn(heads, d, generator=g).cuda()
     # The caches hold more positions than are read, and rows wider than the heads read.
     k = torch.randn(n_keys + 5, 2 * kv, d, generator=g).cuda()[:n_keys, :kv]
-    v = torch.randn(n_keys + 5, kv + 1, dv, generator=g).cuda()[:n_keys, :kv]
+    if v_transposed:  # as KVCache(v_transposed=True) hands them out: [kv, dv, n_ctx] permuted
+        v = torch.randn(kv + 1, dv, n_keys + 7, generator=g).cuda()[:kv, :, :n_keys]
+        v = v.permute(2, 0, 1)
+    else:
+        v = torch.randn(n_keys + 5, kv + 1, dv, generator=g).cuda()[:n_keys, :kv]
     sinks = torch.randn(heads, generator=g).cuda() if with_sinks else None
     scale = d**-0.5
     where = torch.tensor([pos], dtype=torch.int64, device="cuda") if pos_on_gpu else pos
@@ -171,6 +177,9 @@ def test_attn_decode_refuses_what_it_cannot_take() -> None:
     k = torch.randn(10, 2, 64, device="cuda")
     assert not gpu.attn_decode_fits(q, k.half(), k.half(), None)
     assert not gpu.attn_decode_fits(q[:, :32], k, k, None)  # q not contiguous
+    wide = torch.randn(10, 2, 128, device="cuda")[:, :, :64]
+    assert not gpu.attn_decode_fits(q, k, wide, None)  # a gap between the value heads
+    assert not gpu.attn_decode_fits(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, None)
     k4 = torch.randn(10, 4, 64, device="cuda")
     assert not gpu.attn_decode_fits(torch.randn(6, 64, device="cuda"), k4, k4, None)  # 6 % 4
     too_many = torch.randn(gpu.ATTN_MAX_KEYS + 1, 2, 64, device="cuda")
@@ -181,3 +190,24 @@ def test_attn_decode_refuses_what_it_cannot_take() -> None:
         gpu.attn_decode(q, k, k, torch.tensor([1, 2], device="cuda"), 1.0)
     with pytest.raises(InvalidInputError):
         gpu.attn_decode(q, k, k, -1, 1.0)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_attn_decode_takes_the_gpu_kv_cache(captured: bool) -> None:
+    """The GPU's KV cache (values transposed) hands a decode step views the kernel takes, for
+    an eager step (int position) and a captured one (positions on the GPU, fixed key count),
+    and the kernel over them equals the float64 reference."""
+    from freetoken.engine.kv_cache import KVCache
+
+    cache = KVCache(2, 32, 2, 64, 48, device="cuda", v_transposed=True)
+    g = torch.Generator().manual_seed(5)
+    prompt_k, prompt_v = torch.randn(9, 2, 64, generator=g), torch.randn(9, 2, 48, generator=g)
+    cache.store(1, 0, prompt_k.cuda(), prompt_v.cuda())
+    k_new, v_new = torch.randn(1, 2, 64, generator=g).cuda(), torch.randn(1, 2, 48).cuda()
+    start = torch.tensor([9], device="cuda") if captured else 9
+    k_all, v_all = cache.store(1, start, k_new, v_new, 16 if captured else None)
+    q = torch.randn(8, 64, generator=g).cuda()
+    assert gpu.attn_decode_fits(q, k_all, v_all, None)
+    got = gpu.attn_decode(q, k_all, v_all, start, 0.125)
+    want = _attn_reference(q, k_all, v_all, 9, 0.125, 0, None)
+    assert (got.double() - want).abs().max().item() <= 2e-5 * max(want.abs().max().item(), 1.0)

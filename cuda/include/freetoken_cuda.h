@@ -213,13 +213,17 @@ typedef struct ft_cuda_attn_decode_args {
     int64_t head_dim, head_dim_v; /* 1..512 each */
     int64_t n_keys;               /* 1..FT_CUDA_ATTN_MAX_KEYS */
     int64_t k_stride, v_stride;   /* floats from one position's keys (values) to the next's */
+    int64_t v_dim_stride;         /* floats from one value dimension to the next (across heads):
+                                     1 for rows of positions, >= n_keys for the transposed cache
+                                     (positions along each dimension's row, v_stride 1) */
     int64_t window;               /* 0: none */
     int64_t pos_value;            /* the query's position when pos_dev is null */
     float scale;
     int32_t reserved1;
     const float *q;         /* device [n_heads, head_dim] */
     const float *k;         /* device: key j of kv head g at k + j * k_stride + g * head_dim */
-    const float *v;         /* device: value j of kv head g at v + j * v_stride + g * head_dim_v */
+    const float *v;         /* device: dimension d of value j of kv head g at
+                               v + j * v_stride + (g * head_dim_v + d) * v_dim_stride */
     const int64_t *pos_dev; /* device, or null */
     const float *sinks;     /* device [n_heads], or null */
     float *out;             /* device [n_heads, head_dim_v] */

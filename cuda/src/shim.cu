@@ -753,13 +753,33 @@ static __global__ void attn_decode_kernel(ft_cuda_attn_decode_args a) {
         sum += expf(a.sinks[h] - m);
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
-    const float *v = a.v + g * a.head_dim_v;
-    for (int64_t d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < a.n_keys; ++j) {
-            acc += score[j] * v[j * a.v_stride + d];
+    const float *v = a.v + g * a.head_dim_v * a.v_dim_stride;
+    float *out = a.out + h * a.head_dim_v;
+    if (a.v_stride == 1 && a.v_dim_stride > 1) {
+        // The transposed cache (a row of positions per dimension): a warp per dimension, the
+        // lanes reading consecutive positions, as the scores above.
+        for (int64_t d = warp; d < a.head_dim_v; d += n_warps) {
+            const float *row = v + d * a.v_dim_stride;
+            float acc = 0.0f;
+            for (int64_t j = lane; j < a.n_keys; j += 32) {
+                acc += score[j] * row[j];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            }
+            if (lane == 0) {
+                out[d] = acc * inv;
+            }
         }
-        a.out[h * a.head_dim_v + d] = acc * inv;
+    } else {
+        // Rows of positions: a thread per dimension, the threads reading consecutive floats.
+        for (int64_t d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < a.n_keys; ++j) {
+                acc += score[j] * v[j * a.v_stride + d * a.v_dim_stride];
+            }
+            out[d] = acc * inv;
+        }
     }
 }
 
@@ -774,13 +794,15 @@ static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
     if (a.n_heads < 1 || a.n_heads > 65535 || a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads != 0 ||
         a.head_dim < 1 || a.head_dim > 512 || a.head_dim_v < 1 || a.head_dim_v > 512 || a.n_keys < 1 ||
         a.n_keys > FT_CUDA_ATTN_MAX_KEYS || a.k_stride < a.n_kv_heads * a.head_dim ||
-        a.v_stride < a.n_kv_heads * a.head_dim_v || a.window < 0 || (a.pos_dev == nullptr && a.pos_value < 0)) {
+        !((a.v_dim_stride == 1 && a.v_stride >= a.n_kv_heads * a.head_dim_v) ||
+          (a.v_stride == 1 && a.v_dim_stride >= a.n_keys)) ||
+        a.window < 0 || (a.pos_dev == nullptr && a.pos_value < 0)) {
         return fail(FT_CUDA_ESHAPE,
-                    "attn_decode: bad sizes (heads %lld/%lld, dims %lld/%lld, keys %lld, strides %lld/%lld, "
+                    "attn_decode: bad sizes (heads %lld/%lld, dims %lld/%lld, keys %lld, strides %lld/%lld/%lld, "
                     "window %lld, pos %lld)",
                     (long long)a.n_heads, (long long)a.n_kv_heads, (long long)a.head_dim, (long long)a.head_dim_v,
-                    (long long)a.n_keys, (long long)a.k_stride, (long long)a.v_stride, (long long)a.window,
-                    (long long)a.pos_value);
+                    (long long)a.n_keys, (long long)a.k_stride, (long long)a.v_stride, (long long)a.v_dim_stride,
+                    (long long)a.window, (long long)a.pos_value);
     }
     device_guard dg(a.device);
     cudaGetLastError();

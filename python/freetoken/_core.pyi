@@ -185,7 +185,7 @@ def cuda_norm_rope(
 def cuda_attn_decode(
     device: int,
     stream: int,
-    sizes: tuple[int, int, int, int, int, int, int],
+    sizes: tuple[int, int, int, int, int, int, int, int],
     where_: tuple[int, int],
     scale: float,
     ptrs: tuple[int, int, int, int, int, int],

@@ -184,6 +184,7 @@ struct RawAttnDecodeArgs {
     n_keys: i64,
     k_stride: i64,
     v_stride: i64,
+    v_dim_stride: i64,
     window: i64,
     pos_value: i64,
     scale: f32,
@@ -898,6 +899,11 @@ impl Cuda {
             )));
         }
         let rows_fit = |stride: usize, width: usize| strided_rows_fit(a.n_keys, stride, width);
+        // Values in rows of positions, or (the transposed cache) a row of positions per
+        // dimension.
+        let v_dims = a.n_kv_heads * a.head_dim_v;
+        let v_fits = (a.v_dim_stride == 1 && rows_fit(a.v_stride, v_dims))
+            || (a.v_stride == 1 && strided_rows_fit(v_dims, a.v_dim_stride, a.n_keys));
         if a.n_heads == 0
             || a.n_heads > 65535
             || a.n_kv_heads == 0
@@ -906,12 +912,12 @@ impl Cuda {
             || !(1..=512).contains(&a.head_dim_v)
             || !(1..=ATTN_MAX_KEYS).contains(&a.n_keys)
             || !rows_fit(a.k_stride, a.n_kv_heads * a.head_dim)
-            || !rows_fit(a.v_stride, a.n_kv_heads * a.head_dim_v)
+            || !v_fits
             || !a.scale.is_finite()
         {
             return Err(Error::Shape(format!(
                 "attn_decode: {} heads over {} kv heads of {}/{}, {} keys (at most \
-                 {ATTN_MAX_KEYS}), strides {}/{}, scale {}",
+                 {ATTN_MAX_KEYS}), strides {}/{}/{}, scale {}",
                 a.n_heads,
                 a.n_kv_heads,
                 a.head_dim,
@@ -919,6 +925,7 @@ impl Cuda {
                 a.n_keys,
                 a.k_stride,
                 a.v_stride,
+                a.v_dim_stride,
                 a.scale
             )));
         }
@@ -933,6 +940,7 @@ impl Cuda {
             n_keys: a.n_keys as i64,
             k_stride: a.k_stride as i64,
             v_stride: a.v_stride as i64,
+            v_dim_stride: a.v_dim_stride as i64,
             window: a.window as i64,
             pos_value: a.pos_value as i64,
             scale: a.scale,
@@ -956,8 +964,10 @@ impl Cuda {
 pub const ATTN_MAX_KEYS: usize = 8192;
 
 /// One decode step's attention ([`Cuda::attn_decode`]): `q` `[n_heads, head_dim]`; key `j` of
-/// kv head `g` at `k + (j * k_stride + g * head_dim) * 4`, values likewise with `v_stride` and
-/// `head_dim_v`; keys `0..n_keys` are positions, visible up to the query's position (`pos_dev`,
+/// kv head `g` at `k + (j * k_stride + g * head_dim) * 4`; dimension `d` of value `j` at
+/// `v + (j * v_stride + (g * head_dim_v + d) * v_dim_stride) * 4` (rows of positions with
+/// `v_dim_stride` 1, or the transposed cache's row of positions per dimension with `v_stride`
+/// 1); keys `0..n_keys` are positions, visible up to the query's position (`pos_dev`,
 /// an int64 in device memory, or `pos_value` when that is 0) and within `window` (0: none);
 /// `sinks` (`n_heads` floats, 0 for none) join each softmax's denominator; `out`
 /// `[n_heads, head_dim_v]`. Addresses are device memory.
@@ -979,6 +989,8 @@ pub struct AttnDecode {
     pub k_stride: usize,
     /// Floats from one position's values to the next's.
     pub v_stride: usize,
+    /// Floats from one value dimension to the next, across heads.
+    pub v_dim_stride: usize,
     /// Sliding window, 0 for none.
     pub window: usize,
     /// The query's position when `pos_dev` is 0.
@@ -1295,7 +1307,7 @@ mod tests {
         );
         assert_eq!(
             std::mem::size_of::<RawAttnDecodeArgs>(),
-            8 + 8 + 72 + 8 + 48 + 8
+            8 + 8 + 80 + 8 + 48 + 8
         );
     }
 

@@ -285,18 +285,19 @@ pub fn cuda_topk_softmax(
 }
 
 /// One decode step's attention (`ft_cuda::Cuda::attn_decode`). `sizes` is (n_heads, n_kv_heads,
-/// head_dim, head_dim_v, n_keys, k_stride, v_stride); `where_` (window, pos_value); `ptrs` (q,
+/// head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride); `where_` (window, pos_value); `ptrs` (q,
 /// k, v, pos or 0, sinks or 0, out).
 #[pyfunction]
 pub fn cuda_attn_decode(
     device: i32,
     stream: usize,
-    sizes: (usize, usize, usize, usize, usize, usize, usize),
+    sizes: (usize, usize, usize, usize, usize, usize, usize, usize),
     where_: (usize, usize),
     scale: f32,
     ptrs: (usize, usize, usize, usize, usize, usize),
 ) -> PyResult<()> {
-    let (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys, k_stride, v_stride) = sizes;
+    let (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride) =
+        sizes;
     let (window, pos_value) = where_;
     let (q, k, v, pos_dev, sinks, out) = ptrs;
     let a = AttnDecode {
@@ -308,6 +309,7 @@ pub fn cuda_attn_decode(
         n_keys,
         k_stride,
         v_stride,
+        v_dim_stride,
         window,
         pos_value,
         scale,

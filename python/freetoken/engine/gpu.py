@@ -459,14 +459,14 @@ def norm_rope(
 ATTN_MAX_KEYS = _core.CUDA_ATTN_MAX_KEYS
 
 
-def _heads_contiguous(t: torch.Tensor) -> bool:
-    """``[L, heads, dim]`` float32 on a GPU whose heads are contiguous (rows any stride)."""
+def _heads_uniform(t: torch.Tensor) -> bool:
+    """``[L, heads, dim]`` float32 on a GPU whose (head, dim) pairs are one stride apart
+    in order (``stride(1) == dim * stride(2)``), positions any stride."""
     return (
         t.dim() == 3
         and t.dtype == torch.float32
         and t.device.type == "cuda"
-        and t.stride(2) == 1
-        and t.stride(1) == t.shape[2]
+        and t.stride(1) == t.shape[2] * t.stride(2)
     )
 
 
@@ -474,15 +474,19 @@ def attn_decode_fits(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
 ) -> bool:
     """Whether :func:`attn_decode` takes this one-query attention: float32 throughout on the
-    GPU, a contiguous ``q [H, D]``, cached keys and values ``[L, Hkv, *]`` with contiguous
-    heads, ``H`` a multiple of ``Hkv``, 1..ATTN_MAX_KEYS keys, float32 sinks if any."""
+    GPU, a contiguous ``q [H, D]``, cached keys ``[L, Hkv, D]`` with contiguous heads, values
+    ``[L, Hkv, Dv]`` with contiguous heads or transposed (``KVCache(v_transposed=True)``: a
+    row of positions per dimension), ``H`` a multiple of ``Hkv``, 1..ATTN_MAX_KEYS keys,
+    float32 sinks if any."""
     return (
         q.dim() == 2
         and q.dtype == torch.float32
         and q.is_cuda
         and q.is_contiguous()
-        and _heads_contiguous(k)
-        and _heads_contiguous(v)
+        and _heads_uniform(k)
+        and k.stride(2) == 1
+        and _heads_uniform(v)
+        and (v.stride(2) == 1 or v.stride(0) == 1)
         and k.device == q.device == v.device
         and k.shape[0] == v.shape[0]
         and 1 <= k.shape[0] <= ATTN_MAX_KEYS
@@ -503,7 +507,8 @@ def attn_decode(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per head, ``q [H, D]``, over cached keys ``k [L, Hkv, D]`` and values
-    ``v [L, Hkv, Dv]`` (row ``j`` is position ``j``) in one kernel on the current stream: keys
+    ``v [L, Hkv, Dv]`` (row ``j`` is position ``j``; a transposed view as the GPU KV cache
+    keeps values) in one kernel on the current stream: keys
     up to position ``pos`` (an int, or a one-element int64 tensor on the GPU, which a captured
     step replays) and within ``window`` (0: none) are seen; ``sinks [H]`` join each softmax's
     denominator (gpt-oss). Returns ``[1, H * Dv]``, as ``layers.attention`` does."""
@@ -529,7 +534,7 @@ def attn_decode(
     _core.cuda_attn_decode(
         _device_index(q),
         _stream(dev),
-        (h, n_kv, d, dv, n_keys, k.stride(0), v.stride(0)),
+        (h, n_kv, d, dv, n_keys, k.stride(0), v.stride(0), v.stride(2)),
         (window, pos_value),
         scale,
         (

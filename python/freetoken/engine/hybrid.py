@@ -12,11 +12,11 @@ routes' sum and its answer, then adds the rows (``gpu.handoff_wait_add``). So a 
 still one CUDA graph, and eager steps never block Python.
 
 While a step computes, the host does the slot policy's bookkeeping on the previous step's
-routes (LRU or adaptive route counts); once the step is done, it uploads the misses chosen
-on the copy stream, off the critical path: into free slots (any policy), and with
-``--moe-cache-adaptive`` also over cold residents. An upload's
-expert is taken off the device table before the copy starts and put back only once the copy
-has finished, so no step reads a slot being written. Steps of many tokens (prefill chunks)
+routes (LRU or adaptive route counts) and starts the copies chosen before, on the copy
+stream, off the critical path: misses into free slots (any policy), and with
+``--moe-cache-adaptive`` also over cold residents. An upload's slot is taken off the device
+table a step before its copy starts and its new expert put in only once the copy has
+finished, so no step reads a slot being written. Steps of many tokens (prefill chunks)
 split the same way unless the bandwidth profile (``freetoken bench-bw``) says that streaming
 the whole layer over PCIe is cheaper than computing the misses on the CPU.
 """
@@ -204,6 +204,8 @@ class HybridExperts(OffloadExperts):
         self.resident_dev = torch.from_numpy(self.resident).to(device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
+        # A plan's uploads, evicted from the tables, until the next step starts their copies.
+        self.queued: list[tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = []
         self.ticket: Any = None
         self.serving = self.split = False
         self.n_tokens = 0
@@ -249,19 +251,22 @@ class HybridExperts(OffloadExperts):
 
     def end(self) -> None:
         """After a step (also one that raised): waits for the GPU and the CPU thread, raises
-        what went wrong, else counts the step's routes. The slot policy's work on the
-        previous step's routes runs first, while this step computes (the host would only
-        wait), and its uploads start once this step is done: fills and swaps lag one step."""
+        what went wrong, else counts the step's routes. While this step computes (the host
+        would only wait) the slot policy works on the previous step's routes and the copies
+        its previous plan chose start; once this step is done, the new plan's evictions go
+        into the tables before the next step: fills and swaps lag two steps, and the host
+        between steps only updates the tables."""
         if self.ticket is None:
             return
         ticket, self.ticket = self.ticket, None
         plan = self._plan()
+        self._start_uploads()
         try:
             self._finish(ticket)
         finally:
             t0 = time.perf_counter()
             for cache, pools, ups in plan:  # the pools are idle now, even after a failure
-                self._start_uploads(cache, pools, ups)
+                self._evict(cache, pools, ups)
             self.bookkeeping_s += time.perf_counter() - t0
 
     def _finish(self, ticket: Any) -> None:
@@ -412,19 +417,29 @@ class HybridExperts(OffloadExperts):
         dev = torch.from_numpy(table).to(self.device)
         self.resident_dev[dev[0], dev[1]] = dev[2].to(torch.int32)
 
-    def _start_uploads(
+    def _evict(
         self, cache: SlotCache, pools: tuple[gpu.ExpertPool, ...], ups: list[Upload]
     ) -> None:
+        """Takes the experts a plan replaces out of the tables (before the next step, on the
+        current stream) and queues the plan's copies for :meth:`_start_uploads`."""
         gone = [(self.handoff_pos[u.evicted[0]], u.evicted[1], -1) for u in ups if u.evicted]
         self.swaps += len(gone)
         self.fills += len(ups) - len(gone)
         self._set_resident(gone)
-        ready = torch.cuda.Event()
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self._upload(pools, sorted(ups, key=lambda u: (u.layer, u.expert)), self.pinned)
-            ready.record(self.copy_stream)
-        self.pending.append((ready, [(cache, u) for u in ups]))
+        self.queued.append((cache, pools, ups))
+
+    def _start_uploads(self) -> None:
+        """Queues the copies of the evicted and free slots on the copy stream. A step in
+        flight does not read them (the tables name none of them since before it started),
+        and the steps that did are done, so the copies need not wait for the current
+        stream."""
+        for cache, pools, ups in self.queued:
+            ready = torch.cuda.Event()
+            with torch.cuda.stream(self.copy_stream):
+                self._upload(pools, sorted(ups, key=lambda u: (u.layer, u.expert)), self.pinned)
+                ready.record(self.copy_stream)
+            self.pending.append((ready, [(cache, u) for u in ups]))
+        self.queued = []
 
     def _publish_uploads(self) -> None:
         """Puts finished uploads into the tables (an expert evicted again meanwhile stays
