@@ -5,7 +5,7 @@
 //! hypervisor, tens of microseconds per thread.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,16 +37,29 @@ struct Job(*const (dyn Fn(usize) + Sync + 'static));
 // SAFETY: the pointee is Sync and outlives every use (see `ThreadPool::run`).
 unsafe impl Send for Job {}
 
-struct State {
-    job: Option<Job>,
+/// A published job: its body and task count, on `run`'s stack while workers use it.
+struct Desc {
+    job: Job,
     n_tasks: usize,
+}
+
+struct State {
     shutdown: bool,
+    /// Workers parked on `wake`, and whether the caller is parked on `done`: the notifying
+    /// side makes the futex call only then (a wake-up call is a system call, microseconds on
+    /// a VM, which every job paid twice).
+    sleepers: usize,
+    caller_waits: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
-    /// Bumped (under the lock) each time a job is published; workers poll it while spinning.
+    /// Bumped (under the lock) each time a job is published; workers poll it while spinning
+    /// and then read `desc` without taking the lock.
     generation: AtomicU64,
+    /// The current job's `Desc`, stored before `generation` is bumped; valid until `busy`
+    /// is back to zero.
+    desc: AtomicPtr<Desc>,
     /// Workers still inside the current job.
     busy: AtomicUsize,
     wake: Condvar,
@@ -74,11 +87,12 @@ impl ThreadPool {
     pub fn with_poll(n_threads: usize, poll: Duration) -> ThreadPool {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                job: None,
-                n_tasks: 0,
                 shutdown: false,
+                sleepers: 0,
+                caller_waits: false,
             }),
             generation: AtomicU64::new(0),
+            desc: AtomicPtr::new(std::ptr::null_mut()),
             busy: AtomicUsize::new(0),
             wake: Condvar::new(),
             done: Condvar::new(),
@@ -134,27 +148,28 @@ impl ThreadPool {
         let shared = &*self.shared;
         shared.next.store(0, Ordering::Relaxed);
         shared.panicked.store(false, Ordering::Relaxed);
+        let mut desc = Desc { job, n_tasks };
         {
-            let mut st = shared.state.lock().unwrap();
-            st.job = Some(job);
-            st.n_tasks = n_tasks;
+            let st = shared.state.lock().unwrap();
+            shared.desc.store(&mut desc, Ordering::SeqCst);
             shared.busy.store(self.workers.len(), Ordering::SeqCst);
             shared.generation.fetch_add(1, Ordering::SeqCst);
+            if st.sleepers > 0 {
+                shared.wake.notify_all();
+            }
         }
-        shared.wake.notify_all();
         drain(shared, job, n_tasks);
         let idle = || shared.busy.load(Ordering::SeqCst) == 0;
-        let mut st = shared.state.lock().unwrap();
-        if !idle() {
-            drop(st);
-            spin_until(shared.poll, idle);
-            st = shared.state.lock().unwrap();
+        if !spin_until(shared.poll, idle) {
+            let mut st = shared.state.lock().unwrap();
+            st.caller_waits = true;
             while !idle() {
                 st = shared.done.wait(st).unwrap();
             }
+            st.caller_waits = false;
         }
-        st.job = None;
-        drop(st);
+        // No worker reads `desc` any more (each read it before leaving `busy`).
+        shared.desc.store(std::ptr::null_mut(), Ordering::SeqCst);
         if shared.panicked.load(Ordering::Relaxed) {
             panic!("a thread-pool task panicked");
         }
@@ -180,26 +195,29 @@ fn worker(shared: &Shared) {
     let mut seen = 0u64;
     loop {
         let published = || shared.generation.load(Ordering::SeqCst) != seen;
-        spin_until(shared.poll, published);
-        let (job, n_tasks) = {
+        // Spinning workers see the job without the lock (eleven of them taking it at once
+        // would queue on it); parked ones wait on the condition variable.
+        if !spin_until(shared.poll, published) {
             let mut st = shared.state.lock().unwrap();
             while !published() && !st.shutdown {
+                st.sleepers += 1;
                 st = shared.wake.wait(st).unwrap();
+                st.sleepers -= 1;
             }
             if st.shutdown {
                 return;
             }
-            seen = shared.generation.load(Ordering::SeqCst);
-            (
-                st.job.expect("a job is set with each generation"),
-                st.n_tasks,
-            )
-        };
-        drain(shared, job, n_tasks);
+        }
+        seen = shared.generation.load(Ordering::SeqCst);
+        // SAFETY: `run` stored the job's `Desc` before bumping `generation` and keeps it
+        // alive until this worker has left `busy` below.
+        let desc = unsafe { &*shared.desc.load(Ordering::SeqCst) };
+        drain(shared, desc.job, desc.n_tasks);
         if shared.busy.fetch_sub(1, Ordering::SeqCst) == 1 {
-            // Taking the lock orders this wake-up after the caller's check-then-wait.
-            let _st = shared.state.lock().unwrap();
-            shared.done.notify_one();
+            // Taking the lock orders this check after the caller's check-then-wait.
+            if shared.state.lock().unwrap().caller_waits {
+                shared.done.notify_one();
+            }
         }
     }
 }
