@@ -37,14 +37,29 @@ pub(crate) const PASS_ROWS: usize = 16;
 /// task's first pass is a block another thread did not stream, and four interleaved rows are
 /// streams the hardware prefetcher does not follow: its misses came one after another.
 pub(crate) fn prefetch(bytes: &[u8]) {
+    prefetch_hint::<{ HINT_L1 }>(bytes);
+}
+
+/// `prefetch` into the second-level cache only: for a task's reads that come after another
+/// task's, which would push them out of the first level before they are used.
+pub(crate) fn prefetch_l2(bytes: &[u8]) {
+    prefetch_hint::<{ HINT_L2 }>(bytes);
+}
+
+#[cfg(target_arch = "x86_64")]
+const HINT_L1: i32 = std::arch::x86_64::_MM_HINT_T0;
+#[cfg(target_arch = "x86_64")]
+const HINT_L2: i32 = std::arch::x86_64::_MM_HINT_T1;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_L1: i32 = 0;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_L2: i32 = 0;
+
+fn prefetch_hint<const HINT: i32>(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     for line in bytes.chunks(64) {
         // SAFETY: a prefetch of a valid address only hints the caches.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(line.as_ptr().cast()) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;

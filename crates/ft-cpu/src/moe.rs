@@ -5,7 +5,7 @@
 //! over (expert, row block) pairs on the pool.
 
 use crate::acts::ActCodec;
-use crate::kernels::{prefetch, RowDots, PASS_ROWS};
+use crate::kernels::{prefetch, prefetch_l2, RowDots, PASS_ROWS};
 use crate::matmul::{quantize_rows_with, OutPtr};
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
@@ -377,7 +377,22 @@ pub fn moe_forward_with(
         OutPtr(hq.as_mut_ptr().cast()),
         OutPtr(y.as_mut_ptr()),
     );
-    pool.run(tasks.len(), &|i| match tasks[i] {
+    // A task's first pass of weight rows: what it reads before the kernels' own prefetch runs
+    // ahead of it. Each thread prefetches its next task's into L2 before it starts the current
+    // one (`run_with_ahead`), and each task its own into L1 as it starts.
+    let first_pass = |task: &Task, fetch: fn(&[u8])| {
+        let first =
+            |rows: &std::ops::Range<usize>| rows.start..(rows.start + PASS_ROWS).min(rows.end);
+        match *task {
+            Task::GateUp(g, ref rows) => {
+                let ex = grouping.groups[g].0;
+                fetch(w.gate.rows(ex, first(rows), &kg));
+                fetch(w.up.rows(ex, first(rows), &ku));
+            }
+            Task::Down(g, ref rows) => fetch(w.down.rows(grouping.groups[g].0, first(rows), &kd)),
+        }
+    };
+    let run_task = |i: usize| match tasks[i] {
         // h[route] = act(gate . x + bg, up . x + bu) for these rows of the expert.
         Task::GateUp(g, ref rows) => {
             let _flag = PanicFlag(&failed);
@@ -393,9 +408,6 @@ pub fn moe_forward_with(
                 vec![0f32; routes.len() * PASS_ROWS],
                 vec![0f32; routes.len() * PASS_ROWS],
             );
-            let first = rows.start..(rows.start + PASS_ROWS).min(rows.end);
-            prefetch(w.gate.rows(ex, first.clone(), &kg));
-            prefetch(w.up.rows(ex, first, &ku));
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
                 let n = pass.len();
@@ -452,10 +464,6 @@ pub fn moe_forward_with(
                 })
                 .collect();
             let mut yv = vec![0f32; routes.len() * PASS_ROWS];
-            prefetch(
-                w.down
-                    .rows(ex, rows.start..(rows.start + PASS_ROWS).min(rows.end), &kd),
-            );
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);
                 let yv = &mut yv[..routes.len() * pass.len()];
@@ -474,7 +482,15 @@ pub fn moe_forward_with(
                 }
             }
         }
-    });
+    };
+    pool.run_with_ahead(
+        tasks.len(),
+        &|i| {
+            first_pass(&tasks[i], prefetch);
+            run_task(i);
+        },
+        &|i| first_pass(&tasks[i], prefetch_l2),
+    );
     for (tok, o) in out.chunks_exact_mut(hidden).enumerate() {
         o.fill(0.0);
         for j in 0..top_k {
