@@ -12,6 +12,10 @@
 #                                         freetoken serve (hybrid) against llama-server -ncmoe
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
+#   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
+#                                         here: the wheel of git REF into .ft-device/alt/NAME
+#   bash scripts/device.sh bench-jobs-ab  on the GPU machine's host: bench-jobs with the main
+#                                         wheel and each .ft-device/alt wheel, rounds in turn
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
 #   UI sources or unused backends: about 32 MB) and the abi3 wheel, built with the explicit GGML CPU
@@ -82,6 +86,20 @@ prepare() {
     du -sh "$DEV" >&2
 }
 
+# prepare-alt: another commit's wheel beside the main one, for bench-jobs-ab (built in a
+# temporary worktree with the same CPU options).
+prepare_alt() {
+    local ref=${FT_ALT_REF:?set FT_ALT_REF to a git commit} name=${FT_ALT_NAME:?set FT_ALT_NAME}
+    local tree
+    tree=$(mktemp -d)
+    git worktree add -f --detach "$tree" "$ref" >/dev/null
+    rm -rf "$DEV/alt/$name"
+    (cd "$tree" && CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/ft-wheel-target} \
+        FREETOKEN_GGML_CPU_OPTIONS="$CPU_OPTIONS" maturin build --release --out "$DEV/alt/$name")
+    git worktree remove --force "$tree"
+    du -sh "$DEV" >&2
+}
+
 build() {
     local t0=$SECONDS
     [ -d "$DEV/llama.cpp" ] || {
@@ -115,13 +133,15 @@ build() {
     install_wheel
 }
 
+# install_wheel [SITE [WHEEL]]: the main wheel (or WHEEL) and gguf into SITE ($FT_SITE).
 install_wheel() {
-    rm -rf "$FT_SITE"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$FT_SITE" \
-        "$DEV"/wheels/*.whl
+    local site=${1:-$FT_SITE} wheel=${2:-$(ls "$DEV"/wheels/freetoken-*.whl)}
+    rm -rf "$site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+        "$wheel" "$DEV"/wheels/gguf-*.whl
     # The working tree's Python sources over the wheel's: a Python-only change needs no new
     # wheel (the extension module stays the wheel's).
-    (cd python && find freetoken -name '*.py' -exec cp --parents {} "$FT_SITE/" \;)
+    (cd python && find freetoken -name '*.py' -exec cp --parents {} "$site/" \;)
 }
 
 env_for_tests() {
@@ -233,6 +253,29 @@ bench_jobs() {
         tee "$OUT/bench_moe_jobs.log"
 }
 
+# The executor's per-job cost with the main wheel ("base") and each wheel of $DEV/alt/NAME,
+# $FT_AB_ROUNDS rounds (default 2) of every build in turn (the host drifts within a lease),
+# at $FT_JOB_THREADS (default 12) threads and gaps $FT_JOB_GAPS (default 0,150).
+bench_jobs_ab() {
+    bench_model
+    local builds=(base) name round
+    for name in "$DEV"/alt/*/; do
+        [ -d "$name" ] && builds+=("$(basename "$name")")
+    done
+    install_wheel /tmp/ft-site-base
+    for name in "${builds[@]:1}"; do
+        install_wheel "/tmp/ft-site-$name" "$(ls "$DEV/alt/$name"/freetoken-*.whl)"
+    done
+    for round in $(seq "${FT_AB_ROUNDS:-2}"); do
+        for name in "${builds[@]}"; do
+            log "$name, round $round"
+            PYTHONPATH=/tmp/ft-site-$name python3 benches/bench_moe_jobs.py -m "$BENCH_MODEL" \
+                -t "${FT_JOB_THREADS:-12}" --gap-us "${FT_JOB_GAPS:-0,150}" --calls 300 \
+                --json "$OUT/jobs_${name}_$round.json" 2>&1 | tee -a "$OUT/bench_jobs_ab.log"
+        done
+    done
+}
+
 # Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
@@ -241,12 +284,13 @@ profile_step() {
 }
 
 [ $# -gt 0 ] || {
-    sed -n '2,25p' "$0"
+    awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
     exit 2
 }
 for phase in "$@"; do
     case $phase in
     prepare) prepare ;;
+    prepare-alt) prepare_alt ;;
     build) build ;;
     test) run_tests ;;
     bench) bench ;;
@@ -256,10 +300,11 @@ for phase in "$@"; do
     bench-hybrid) bench_hybrid ;;
     bench-streams) bench_streams ;;
     bench-jobs) bench_jobs ;;
+    bench-jobs-ab) bench_jobs_ab ;;
     profile) profile_step ;;
     *)
-        log "unknown phase $phase (prepare, build, test, bench, bench-model, bench-e2e," \
-            "bench-hybrid, bench-streams, bench-jobs, profile)"
+        log "unknown phase $phase (prepare, prepare-alt, build, test, bench, bench-model," \
+            "bench-e2e, bench-hybrid, bench-streams, bench-jobs, bench-jobs-ab, profile)"
         exit 2
         ;;
     esac
