@@ -219,18 +219,16 @@ fn drain(shared: &Shared, desc: &Desc) {
     };
     let mut i = claim();
     while i < desc.n_tasks {
-        let next = match ahead {
-            Some(a) => {
-                let next = claim();
-                if next < desc.n_tasks {
-                    call(a, next);
-                }
-                next
+        // With a look-ahead, the next task is claimed (and announced) before this one runs.
+        let next = ahead.map(|a| {
+            let next = claim();
+            if next < desc.n_tasks {
+                call(a, next);
             }
-            None => usize::MAX,
-        };
+            next
+        });
         call(f, i);
-        i = if ahead.is_some() { next } else { claim() };
+        i = next.unwrap_or_else(claim);
     }
 }
 
