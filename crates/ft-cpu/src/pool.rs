@@ -138,6 +138,8 @@ impl ThreadPool {
     /// one and calls `ahead(next)` first, so that the next task's first memory reads can be
     /// on their way (a prefetch) while this one computes: with several threads a thread's
     /// next task is rarely adjacent to its last, and its first reads would otherwise stall.
+    /// A pool of one thread (or a single task) runs the tasks in order and never calls
+    /// `ahead`: adjacent tasks need no announcement.
     pub fn run_with_ahead(
         &self,
         n_tasks: usize,
