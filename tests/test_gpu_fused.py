@@ -5,6 +5,9 @@ formula, and, without the norm, bit for bit against torch's float32 ``x * cos + 
 (the kernel keeps torch's roundings: no FMAs); inputs are slices of a fused QKV product (rows
 with a stride), as the attention passes them. ``gpu.topk_softmax`` (routing) against torch's
 top-k, a float64 softmax of the chosen logits and a bincount of the routes.
+``gpu.attn_decode`` (one query over the cached keys) against a float64 softmax attention with
+the causal and window masks and sinks written out; the cache a strided view of a larger one,
+as the KV cache hands it out, values in rows of positions or transposed.
 """
 
 from __future__ import annotations
@@ -107,3 +110,104 @@ def test_topk_softmax_ties_and_bad_input() -> None:
         gpu.topk_softmax(torch.zeros(1, 2048, device="cuda"), 4)
     with pytest.raises(InvalidInputError):
         gpu.topk_softmax(logits.double(), 4)
+
+
+def _attn_reference(q, k, v, pos: int, scale: float, window: int, sinks) -> torch.Tensor:
+    """Float64 attention of one query per head over keys 0..L-1 (position = row)."""
+    h, n_kv = q.shape[0], k.shape[1]
+    j = torch.arange(k.shape[0], device=q.device)
+    seen = (j <= pos) & ((pos - j < window) if window else torch.ones_like(j, dtype=torch.bool))
+    kk = k.double().repeat_interleave(h // n_kv, 1)  # [L, H, D]
+    vv = v.double().repeat_interleave(h // n_kv, 1)
+    s = torch.einsum("hd,lhd->hl", q.double(), kk) * scale
+    s = s.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None]], -1)
+    p = s.softmax(-1)[:, : k.shape[0]]
+    return torch.einsum("hl,lhd->hd", p, vv).reshape(1, -1)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "d", "dv", "n_keys", "pos", "window", "with_sinks"),
+    [
+        (32, 4, 128, 128, 64, 63, 0, False),  # the benchmark model's shape
+        (8, 2, 64, 64, 1, 0, 0, False),
+        (8, 8, 64, 32, 300, 150, 0, False),  # keys past the query masked (a captured step)
+        (16, 2, 64, 64, 700, 699, 128, False),  # a sliding window
+        (8, 1, 64, 64, 200, 120, 50, True),  # window and sinks (gpt-oss)
+        (4, 2, 256, 256, gpu.ATTN_MAX_KEYS, gpu.ATTN_MAX_KEYS - 1, 0, True),
+    ],
+)
+@pytest.mark.parametrize("pos_on_gpu", [False, True])
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_attn_decode_matches_float64(
+    heads: int,
+    kv: int,
+    d: int,
+    dv: int,
+    n_keys: int,
+    pos: int,
+    window: int,
+    with_sinks: bool,
+    pos_on_gpu: bool,
+    v_transposed: bool,
+) -> None:
+    g = torch.Generator().manual_seed(heads * 1000 + n_keys)
+    q = torch.randn(heads, d, generator=g).cuda()
+    # The caches hold more positions than are read, and rows wider than the heads read.
+    k = torch.randn(n_keys + 5, 2 * kv, d, generator=g).cuda()[:n_keys, :kv]
+    if v_transposed:  # as KVCache(v_transposed=True) hands them out: [kv, dv, n_ctx] permuted
+        v = torch.randn(kv + 1, dv, n_keys + 7, generator=g).cuda()[:kv, :, :n_keys]
+        v = v.permute(2, 0, 1)
+    else:
+        v = torch.randn(n_keys + 5, kv + 1, dv, generator=g).cuda()[:n_keys, :kv]
+    sinks = torch.randn(heads, generator=g).cuda() if with_sinks else None
+    scale = d**-0.5
+    where = torch.tensor([pos], dtype=torch.int64, device="cuda") if pos_on_gpu else pos
+    assert gpu.attn_decode_fits(q, k, v, sinks)
+    got = gpu.attn_decode(q, k, v, where, scale, window, sinks)
+    want = _attn_reference(q, k, v, pos, scale, window, sinks)
+    assert got.shape == (1, heads * dv)
+    err = (got.double() - want).abs().max().item()
+    assert err <= 2e-5 * max(want.abs().max().item(), 1.0), err
+
+
+def test_attn_decode_refuses_what_it_cannot_take() -> None:
+    q = torch.randn(8, 64, device="cuda")
+    k = torch.randn(10, 2, 64, device="cuda")
+    assert not gpu.attn_decode_fits(q, k.half(), k.half(), None)
+    assert not gpu.attn_decode_fits(q[:, :32], k, k, None)  # q not contiguous
+    wide = torch.randn(10, 2, 128, device="cuda")[:, :, :64]
+    assert not gpu.attn_decode_fits(q, k, wide, None)  # a gap between the value heads
+    assert not gpu.attn_decode_fits(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, None)
+    k4 = torch.randn(10, 4, 64, device="cuda")
+    assert not gpu.attn_decode_fits(torch.randn(6, 64, device="cuda"), k4, k4, None)  # 6 % 4
+    too_many = torch.randn(gpu.ATTN_MAX_KEYS + 1, 2, 64, device="cuda")
+    assert not gpu.attn_decode_fits(q, too_many, too_many, None)
+    with pytest.raises(ShapeError):
+        gpu.attn_decode(q, too_many, too_many, 0, 1.0)
+    with pytest.raises(InvalidInputError):
+        gpu.attn_decode(q, k, k, torch.tensor([1, 2], device="cuda"), 1.0)
+    with pytest.raises(InvalidInputError):
+        gpu.attn_decode(q, k, k, -1, 1.0)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_attn_decode_takes_the_gpu_kv_cache(captured: bool) -> None:
+    """The GPU's KV cache (values transposed) hands a decode step views the kernel takes, for
+    an eager step (int position) and a captured one (positions on the GPU, fixed key count),
+    and the kernel over them equals the float64 reference."""
+    from freetoken.engine.kv_cache import KVCache
+
+    cache = KVCache(2, 32, 2, 64, 48, device="cuda", v_transposed=True)
+    g = torch.Generator().manual_seed(5)
+    prompt_k, prompt_v = torch.randn(9, 2, 64, generator=g), torch.randn(9, 2, 48, generator=g)
+    cache.store(1, 0, prompt_k.cuda(), prompt_v.cuda())
+    k_new, v_new = torch.randn(1, 2, 64, generator=g).cuda(), torch.randn(1, 2, 48).cuda()
+    start = torch.tensor([9], device="cuda") if captured else 9
+    k_all, v_all = cache.store(1, start, k_new, v_new, 16 if captured else None)
+    q = torch.randn(8, 64, generator=g).cuda()
+    assert gpu.attn_decode_fits(q, k_all, v_all, None)
+    got = gpu.attn_decode(q, k_all, v_all, start, 0.125)
+    want = _attn_reference(q, k_all, v_all, 9, 0.125, 0, None)
+    assert (got.double() - want).abs().max().item() <= 2e-5 * max(want.abs().max().item(), 1.0)

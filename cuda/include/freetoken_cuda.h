@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 5
+#define FT_CUDA_ABI_VERSION 6
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -197,9 +197,43 @@ typedef struct ft_cuda_topk_softmax_args {
     void *stream;
 } ft_cuda_topk_softmax_args;
 
+/* One query per head attending over a layer's cached keys (a decode step) in one kernel
+ * instead of a scale, two batched products, a mask and a softmax. Query head h reads kv head
+ * h / (n_heads / n_kv_heads); key j (its position) is visible when j <= pos and, with a
+ * window, pos - j < window: s_j = scale * q_h . k_j, p = softmax(s) (the sink logit sinks[h]
+ * joining the denominator when given), out_h = sum_j p_j v_j; float32 throughout. `pos` is
+ * read from device memory when `pos_dev` is set (a captured step replays it), else
+ * `pos_value`. */
+#define FT_CUDA_ATTN_MAX_KEYS 8192
+typedef struct ft_cuda_attn_decode_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t reserved;
+    int64_t n_heads, n_kv_heads; /* n_heads a multiple of n_kv_heads */
+    int64_t head_dim, head_dim_v; /* 1..512 each */
+    int64_t n_keys;               /* 1..FT_CUDA_ATTN_MAX_KEYS */
+    int64_t k_stride, v_stride;   /* floats from one position's keys (values) to the next's */
+    int64_t v_dim_stride;         /* floats from one value dimension to the next (across heads):
+                                     1 for rows of positions, >= n_keys for the transposed cache
+                                     (positions along each dimension's row, v_stride 1) */
+    int64_t window;               /* 0: none */
+    int64_t pos_value;            /* the query's position when pos_dev is null */
+    float scale;
+    int32_t reserved1;
+    const float *q;         /* device [n_heads, head_dim] */
+    const float *k;         /* device: key j of kv head g at k + j * k_stride + g * head_dim */
+    const float *v;         /* device: dimension d of value j of kv head g at
+                               v + j * v_stride + (g * head_dim_v + d) * v_dim_stride */
+    const int64_t *pos_dev; /* device, or null */
+    const float *sinks;     /* device [n_heads], or null */
+    float *out;             /* device [n_heads, head_dim_v] */
+    void *stream;
+} ft_cuda_attn_decode_args;
+
 uint32_t ft_cuda_abi_version(void);
 /* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
- * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args; 0 if unknown. */
+ * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args, 7 attn_decode_args; 0 if
+ * unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -211,6 +245,7 @@ int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args);
 int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args);
 int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
 int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args);
+int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args);
 int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args);
 const char *ft_cuda_last_error(void);
 

@@ -686,6 +686,132 @@ static int32_t norm_rope_locked(const ft_cuda_norm_rope_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "norm_rope");
 }
 
+// ---- Decode attention: one query per head over the cached keys in one kernel ----
+
+// max (or sum) of `v` over the block (blockDim.x a multiple of 32), in every thread; safe to
+// call again right away (the partials are read before anyone writes the next call's).
+template <bool MAX>
+static __device__ float block_reduce(float v, float *part) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    const int lane = threadIdx.x % 32;
+    __syncthreads();  // the previous call's partials are read
+    if (lane == 0) {
+        part[threadIdx.x / 32] = v;
+    }
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? part[lane] : (MAX ? -INFINITY : 0.0f);
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? fmaxf(v, w) : v + w;
+    }
+    return v;
+}
+
+// One block per query head: each warp scores keys (lanes split the dot product), the block
+// takes the softmax over the scores in shared memory, each thread sums one output dimension.
+static __global__ void attn_decode_kernel(ft_cuda_attn_decode_args a) {
+    extern __shared__ float score[];  // n_keys
+    __shared__ float part[32];
+    const int64_t h = blockIdx.x;
+    const int64_t g = h / (a.n_heads / a.n_kv_heads);
+    const int64_t pos = a.pos_dev != nullptr ? *a.pos_dev : a.pos_value;
+    const float *q = a.q + h * a.head_dim;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+    for (int64_t j = warp; j < a.n_keys; j += n_warps) {
+        const bool seen = j <= pos && (a.window == 0 || pos - j < a.window);
+        float acc = 0.0f;
+        if (seen) {
+            const float *k = a.k + j * a.k_stride + g * a.head_dim;
+            for (int64_t d = lane; d < a.head_dim; d += 32) {
+                acc += q[d] * k[d];
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        }
+        if (lane == 0) {
+            score[j] = seen ? acc * a.scale : -INFINITY;
+        }
+    }
+    __syncthreads();
+    float m = a.sinks != nullptr ? a.sinks[h] : -INFINITY;
+    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
+        m = fmaxf(m, score[j]);
+    }
+    m = block_reduce<true>(m, part);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
+        const float e = score[j] == -INFINITY ? 0.0f : expf(score[j] - m);
+        score[j] = e;
+        sum += e;
+    }
+    sum = block_reduce<false>(sum, part);  // its first barrier also orders the writes above
+    if (a.sinks != nullptr) {
+        sum += expf(a.sinks[h] - m);
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
+    const float *v = a.v + g * a.head_dim_v * a.v_dim_stride;
+    float *out = a.out + h * a.head_dim_v;
+    if (a.v_stride == 1 && a.v_dim_stride > 1) {
+        // The transposed cache (a row of positions per dimension): a warp per dimension, the
+        // lanes reading consecutive positions, as the scores above.
+        for (int64_t d = warp; d < a.head_dim_v; d += n_warps) {
+            const float *row = v + d * a.v_dim_stride;
+            float acc = 0.0f;
+            for (int64_t j = lane; j < a.n_keys; j += 32) {
+                acc += score[j] * row[j];
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            }
+            if (lane == 0) {
+                out[d] = acc * inv;
+            }
+        }
+    } else {
+        // Rows of positions: a thread per dimension, the threads reading consecutive floats.
+        for (int64_t d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < a.n_keys; ++j) {
+                acc += score[j] * v[j * a.v_stride + d * a.v_dim_stride];
+            }
+            out[d] = acc * inv;
+        }
+    }
+}
+
+static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.q == nullptr || a.k == nullptr || a.v == nullptr || a.out == nullptr) {
+        return fail(FT_CUDA_EINVAL, "attn_decode: q, k, v and out must be non-null");
+    }
+    if (a.n_heads < 1 || a.n_heads > 65535 || a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads != 0 ||
+        a.head_dim < 1 || a.head_dim > 512 || a.head_dim_v < 1 || a.head_dim_v > 512 || a.n_keys < 1 ||
+        a.n_keys > FT_CUDA_ATTN_MAX_KEYS || a.k_stride < a.n_kv_heads * a.head_dim ||
+        !((a.v_dim_stride == 1 && a.v_stride >= a.n_kv_heads * a.head_dim_v) ||
+          (a.v_stride == 1 && a.v_dim_stride >= a.n_keys)) ||
+        a.window < 0 || (a.pos_dev == nullptr && a.pos_value < 0)) {
+        return fail(FT_CUDA_ESHAPE,
+                    "attn_decode: bad sizes (heads %lld/%lld, dims %lld/%lld, keys %lld, strides %lld/%lld/%lld, "
+                    "window %lld, pos %lld)",
+                    (long long)a.n_heads, (long long)a.n_kv_heads, (long long)a.head_dim, (long long)a.head_dim_v,
+                    (long long)a.n_keys, (long long)a.k_stride, (long long)a.v_stride, (long long)a.v_dim_stride,
+                    (long long)a.window, (long long)a.pos_value);
+    }
+    device_guard dg(a.device);
+    cudaGetLastError();
+    const size_t shared = (size_t)a.n_keys * sizeof(float);
+    attn_decode_kernel<<<(unsigned)a.n_heads, 128, shared, as_stream(a.stream)>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "attn_decode");
+}
+
 // ---- Softmax routing: top-k and the renormalized weights in one kernel ----
 
 // (value, id) of the largest value in the block, ties to the lower id, in every thread.
@@ -782,6 +908,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 4: return sizeof(ft_cuda_handoff_routes_args);
         case 5: return sizeof(ft_cuda_norm_rope_args);
         case 6: return sizeof(ft_cuda_topk_softmax_args);
+        case 7: return sizeof(ft_cuda_attn_decode_args);
         default: return 0;
     }
 }
@@ -876,6 +1003,15 @@ FT_EXPORT int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args) {
         return fail(FT_CUDA_EINVAL, "norm_rope: null or wrong struct_size (want %zu)", sizeof(ft_cuda_norm_rope_args));
     }
     return norm_rope_locked(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (args == nullptr || args->struct_size != sizeof(ft_cuda_attn_decode_args)) {
+        return fail(FT_CUDA_EINVAL, "attn_decode: null or wrong struct_size (want %zu)",
+                    sizeof(ft_cuda_attn_decode_args));
+    }
+    return attn_decode_locked(*args);
 }
 
 FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {

@@ -182,6 +182,16 @@ def cuda_norm_rope(
     eps: float,
     ptrs: tuple[int, int, int, int, int],
 ) -> None: ...
+def cuda_attn_decode(
+    device: int,
+    stream: int,
+    sizes: tuple[int, int, int, int, int, int, int, int],
+    where_: tuple[int, int],
+    scale: float,
+    ptrs: tuple[int, int, int, int, int, int],
+) -> None: ...
+
+CUDA_ATTN_MAX_KEYS: int
 
 class SlotCache:
     def __init__(

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION` in `freetoken_cuda.h`).
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 /// The library's file name.
 pub const LIB_NAME: &str = "libfreetoken_cuda.so";
 /// The environment variable naming the library (or its folder).
@@ -172,6 +172,32 @@ struct RawTopkSoftmaxArgs {
     stream: *mut c_void,
 }
 
+#[repr(C)]
+struct RawAttnDecodeArgs {
+    struct_size: u64,
+    device: i32,
+    reserved: i32,
+    n_heads: i64,
+    n_kv_heads: i64,
+    head_dim: i64,
+    head_dim_v: i64,
+    n_keys: i64,
+    k_stride: i64,
+    v_stride: i64,
+    v_dim_stride: i64,
+    window: i64,
+    pos_value: i64,
+    scale: f32,
+    reserved1: i32,
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    pos_dev: *const i64,
+    sinks: *const f32,
+    out: *mut f32,
+    stream: *mut c_void,
+}
+
 type FnAbiVersion = unsafe extern "C" fn() -> u32;
 type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -183,6 +209,7 @@ type FnHandoff = unsafe extern "C" fn(*const RawHandoffArgs) -> i32;
 type FnHandoffRoutes = unsafe extern "C" fn(*const RawHandoffRoutesArgs) -> i32;
 type FnNormRope = unsafe extern "C" fn(*const RawNormRopeArgs) -> i32;
 type FnTopkSoftmax = unsafe extern "C" fn(*const RawTopkSoftmaxArgs) -> i32;
+type FnAttnDecode = unsafe extern "C" fn(*const RawAttnDecodeArgs) -> i32;
 type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// The library's entry points. The handle is never closed: the library holds CUDA state
@@ -196,6 +223,7 @@ struct Api {
     handoff_routes: FnHandoffRoutes,
     norm_rope: FnNormRope,
     topk_softmax: FnTopkSoftmax,
+    attn_decode: FnAttnDecode,
     last_error: FnLastError,
 }
 
@@ -459,6 +487,11 @@ impl Cuda {
                     "ft_cuda_topk_softmax_args",
                     std::mem::size_of::<RawTopkSoftmaxArgs>(),
                 ),
+                (
+                    7,
+                    "ft_cuda_attn_decode_args",
+                    std::mem::size_of::<RawAttnDecodeArgs>(),
+                ),
             ] {
                 let got = struct_size(which);
                 if got != want as u64 {
@@ -475,6 +508,7 @@ impl Cuda {
                 handoff_routes: symbol(handle, "ft_cuda_handoff_routes")?,
                 norm_rope: symbol(handle, "ft_cuda_norm_rope")?,
                 topk_softmax: symbol(handle, "ft_cuda_topk_softmax")?,
+                attn_decode: symbol(handle, "ft_cuda_attn_decode")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
@@ -850,6 +884,133 @@ impl Cuda {
         // (checked against the tensors by the Python layer) for as long as it runs.
         self.status(unsafe { (self.api.topk_softmax)(&raw) })
     }
+
+    /// Queues [`AttnDecode`] on its stream: one query per head over a layer's cached keys.
+    pub fn attn_decode(&self, a: &AttnDecode) -> Result<()> {
+        self.check_device(a.device)?;
+        check_addrs(&[("q", a.q), ("k", a.k), ("v", a.v), ("out", a.out)])?;
+        if a.sinks != 0 {
+            check_addrs(&[("sinks", a.sinks)])?;
+        }
+        if a.pos_dev != 0 && !a.pos_dev.is_multiple_of(8) {
+            return Err(Error::InvalidInput(format!(
+                "pos: device address {:#x} is not 8-byte aligned",
+                a.pos_dev
+            )));
+        }
+        let rows_fit = |stride: usize, width: usize| strided_rows_fit(a.n_keys, stride, width);
+        // Values in rows of positions, or (the transposed cache) a row of positions per
+        // dimension.
+        let v_dims = a.n_kv_heads * a.head_dim_v;
+        let v_fits = (a.v_dim_stride == 1 && rows_fit(a.v_stride, v_dims))
+            || (a.v_stride == 1 && strided_rows_fit(v_dims, a.v_dim_stride, a.n_keys));
+        if a.n_heads == 0
+            || a.n_heads > 65535
+            || a.n_kv_heads == 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
+            || !(1..=512).contains(&a.head_dim)
+            || !(1..=512).contains(&a.head_dim_v)
+            || !(1..=ATTN_MAX_KEYS).contains(&a.n_keys)
+            || !rows_fit(a.k_stride, a.n_kv_heads * a.head_dim)
+            || !v_fits
+            || !a.scale.is_finite()
+        {
+            return Err(Error::Shape(format!(
+                "attn_decode: {} heads over {} kv heads of {}/{}, {} keys (at most \
+                 {ATTN_MAX_KEYS}), strides {}/{}/{}, scale {}",
+                a.n_heads,
+                a.n_kv_heads,
+                a.head_dim,
+                a.head_dim_v,
+                a.n_keys,
+                a.k_stride,
+                a.v_stride,
+                a.v_dim_stride,
+                a.scale
+            )));
+        }
+        let raw = RawAttnDecodeArgs {
+            struct_size: std::mem::size_of::<RawAttnDecodeArgs>() as u64,
+            device: a.device,
+            reserved: 0,
+            n_heads: a.n_heads as i64,
+            n_kv_heads: a.n_kv_heads as i64,
+            head_dim: a.head_dim as i64,
+            head_dim_v: a.head_dim_v as i64,
+            n_keys: a.n_keys as i64,
+            k_stride: a.k_stride as i64,
+            v_stride: a.v_stride as i64,
+            v_dim_stride: a.v_dim_stride as i64,
+            window: a.window as i64,
+            pos_value: a.pos_value as i64,
+            scale: a.scale,
+            reserved1: 0,
+            q: a.q as *const f32,
+            k: a.k as *const f32,
+            v: a.v as *const f32,
+            pos_dev: a.pos_dev as *const i64,
+            sinks: a.sinks as *const f32,
+            out: a.out as *mut f32,
+            stream: a.stream as *mut c_void,
+        };
+        // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
+        // (checked against the tensors by the Python layer) for as long as it runs.
+        self.status(unsafe { (self.api.attn_decode)(&raw) })
+    }
+}
+
+/// Keys [`Cuda::attn_decode`] takes at most (`FT_CUDA_ATTN_MAX_KEYS`): its scores live in
+/// shared memory.
+pub const ATTN_MAX_KEYS: usize = 8192;
+
+/// One decode step's attention ([`Cuda::attn_decode`]): `q` `[n_heads, head_dim]`; key `j` of
+/// kv head `g` at `k + (j * k_stride + g * head_dim) * 4`; dimension `d` of value `j` at
+/// `v + (j * v_stride + (g * head_dim_v + d) * v_dim_stride) * 4` (rows of positions with
+/// `v_dim_stride` 1, or the transposed cache's row of positions per dimension with `v_stride`
+/// 1); keys `0..n_keys` are positions, visible up to the query's position (`pos_dev`,
+/// an int64 in device memory, or `pos_value` when that is 0) and within `window` (0: none);
+/// `sinks` (`n_heads` floats, 0 for none) join each softmax's denominator; `out`
+/// `[n_heads, head_dim_v]`. Addresses are device memory.
+#[derive(Debug, Clone)]
+pub struct AttnDecode {
+    /// CUDA device index.
+    pub device: i32,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Floats per query and key head.
+    pub head_dim: usize,
+    /// Floats per value head.
+    pub head_dim_v: usize,
+    /// Cached positions read.
+    pub n_keys: usize,
+    /// Floats from one position's keys to the next's.
+    pub k_stride: usize,
+    /// Floats from one position's values to the next's.
+    pub v_stride: usize,
+    /// Floats from one value dimension to the next, across heads.
+    pub v_dim_stride: usize,
+    /// Sliding window, 0 for none.
+    pub window: usize,
+    /// The query's position when `pos_dev` is 0.
+    pub pos_value: usize,
+    /// Softmax scale.
+    pub scale: f32,
+    /// Query.
+    pub q: usize,
+    /// Keys.
+    pub k: usize,
+    /// Values.
+    pub v: usize,
+    /// The query's position (int64), or 0.
+    pub pos_dev: usize,
+    /// Sink logits, or 0.
+    pub sinks: usize,
+    /// Output.
+    pub out: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
 }
 
 /// Softmax routing with renormalized top-k ([`Cuda::topk_softmax`]): `n_tokens` rows of
@@ -1143,6 +1304,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<RawTopkSoftmaxArgs>(),
             8 + 8 + 32 + 8 + 32 + 8
+        );
+        assert_eq!(
+            std::mem::size_of::<RawAttnDecodeArgs>(),
+            8 + 8 + 80 + 8 + 48 + 8
         );
     }
 

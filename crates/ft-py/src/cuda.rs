@@ -5,7 +5,8 @@
 use crate::errors::IntoPy;
 use freetoken_ggml::GgmlType;
 use ft_cuda::{
-    Activation, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope, TopkSoftmax,
+    Activation, AttnDecode, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope,
+    TopkSoftmax,
 };
 use pyo3::prelude::*;
 
@@ -21,6 +22,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_handoff_routes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
+    m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
     Ok(())
 }
 
@@ -278,5 +281,47 @@ pub fn cuda_topk_softmax(
     };
     ft_cuda::runtime()
         .and_then(|rt| rt.topk_softmax(&a))
+        .py_err()
+}
+
+/// One decode step's attention (`ft_cuda::Cuda::attn_decode`). `sizes` is (n_heads, n_kv_heads,
+/// head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride); `where_` (window, pos_value); `ptrs` (q,
+/// k, v, pos or 0, sinks or 0, out).
+#[pyfunction]
+pub fn cuda_attn_decode(
+    device: i32,
+    stream: usize,
+    sizes: (usize, usize, usize, usize, usize, usize, usize, usize),
+    where_: (usize, usize),
+    scale: f32,
+    ptrs: (usize, usize, usize, usize, usize, usize),
+) -> PyResult<()> {
+    let (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride) =
+        sizes;
+    let (window, pos_value) = where_;
+    let (q, k, v, pos_dev, sinks, out) = ptrs;
+    let a = AttnDecode {
+        device,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        head_dim_v,
+        n_keys,
+        k_stride,
+        v_stride,
+        v_dim_stride,
+        window,
+        pos_value,
+        scale,
+        q,
+        k,
+        v,
+        pos_dev,
+        sinks,
+        out,
+        stream,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.attn_decode(&a))
         .py_err()
 }

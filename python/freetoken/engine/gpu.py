@@ -24,9 +24,12 @@ from freetoken.errors import InvalidInputError, ShapeError
 from freetoken.quant import QType, qtype_id, type_info
 
 __all__ = [
+    "ATTN_MAX_KEYS",
     "DeviceInfo",
     "ExpertPool",
     "GpuStatus",
+    "attn_decode",
+    "attn_decode_fits",
     "available",
     "constant",
     "device_info",
@@ -450,6 +453,100 @@ def norm_rope(
         ),
     )
     return y
+
+
+#: Keys :func:`attn_decode` reads at most (its scores live in shared memory).
+ATTN_MAX_KEYS = _core.CUDA_ATTN_MAX_KEYS
+
+
+def _heads_uniform(t: torch.Tensor) -> bool:
+    """``[L, heads, dim]`` float32 on a GPU whose (head, dim) pairs are one stride apart
+    in order (``stride(1) == dim * stride(2)``), positions any stride."""
+    return (
+        t.dim() == 3
+        and t.dtype == torch.float32
+        and t.device.type == "cuda"
+        and t.stride(1) == t.shape[2] * t.stride(2)
+    )
+
+
+def attn_decode_fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+) -> bool:
+    """Whether :func:`attn_decode` takes this one-query attention: float32 throughout on the
+    GPU, a contiguous ``q [H, D]``, cached keys ``[L, Hkv, D]`` with contiguous heads, values
+    ``[L, Hkv, Dv]`` with contiguous heads or transposed (``KVCache(v_transposed=True)``: a
+    row of positions per dimension), ``H`` a multiple of ``Hkv``, 1..ATTN_MAX_KEYS keys,
+    float32 sinks if any."""
+    return (
+        q.dim() == 2
+        and q.dtype == torch.float32
+        and q.is_cuda
+        and q.is_contiguous()
+        and _heads_uniform(k)
+        and k.stride(2) == 1
+        and _heads_uniform(v)
+        and (v.stride(2) == 1 or v.stride(0) == 1)
+        and k.device == q.device == v.device
+        and k.shape[0] == v.shape[0]
+        and 1 <= k.shape[0] <= ATTN_MAX_KEYS
+        and k.shape[2] == q.shape[1]
+        and q.shape[0] % k.shape[1] == 0
+        and k.shape[1] == v.shape[1]
+        and (sinks is None or (sinks.dtype == torch.float32 and sinks.device == q.device))
+    )
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: int | torch.Tensor,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per head, ``q [H, D]``, over cached keys ``k [L, Hkv, D]`` and values
+    ``v [L, Hkv, Dv]`` (row ``j`` is position ``j``; a transposed view as the GPU KV cache
+    keeps values) in one kernel on the current stream: keys
+    up to position ``pos`` (an int, or a one-element int64 tensor on the GPU, which a captured
+    step replays) and within ``window`` (0: none) are seen; ``sinks [H]`` join each softmax's
+    denominator (gpt-oss). Returns ``[1, H * Dv]``, as ``layers.attention`` does."""
+    if not attn_decode_fits(q, k, v, sinks):
+        raise ShapeError(
+            f"attn_decode: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)}: float32 CUDA tensors with contiguous heads, at most "
+            f"{ATTN_MAX_KEYS} keys"
+        )
+    dev = q.device
+    if sinks is not None:
+        _check(sinks, "sinks", torch.float32, (q.shape[0],), dev)
+    if isinstance(pos, torch.Tensor):
+        if pos.dtype != torch.int64 or pos.device != dev or pos.numel() != 1:
+            raise InvalidInputError("pos must be a one-element int64 tensor on the GPU")
+        pos_value, pos_ptr = 0, pos.data_ptr()
+    else:
+        if pos < 0:
+            raise InvalidInputError(f"pos must be non-negative, got {pos}")
+        pos_value, pos_ptr = pos, 0
+    (h, d), (n_keys, n_kv, dv) = q.shape, v.shape
+    out = torch.empty((1, h * dv), dtype=torch.float32, device=dev)
+    _core.cuda_attn_decode(
+        _device_index(q),
+        _stream(dev),
+        (h, n_kv, d, dv, n_keys, k.stride(0), v.stride(0), v.stride(2)),
+        (window, pos_value),
+        scale,
+        (
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            pos_ptr,
+            0 if sinks is None else sinks.data_ptr(),
+            out.data_ptr(),
+        ),
+    )
+    return out
 
 
 #: The most experts and routes per token :func:`topk_softmax` takes (a thread per expert).

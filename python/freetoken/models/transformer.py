@@ -497,8 +497,13 @@ class Transformer:
         for sp in step.spans:
             n = sp.n
             k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
-            outs.append(
-                attention(
+            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, blk.sinks):
+                # A decode step: one kernel instead of a scale, a mask and two products.
+                out = gpu.attn_decode(
+                    q[row], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                )
+            else:
+                out = attention(
                     q[row : row + n],
                     k_all,
                     v_all,
@@ -508,7 +513,7 @@ class Transformer:
                     blk.sinks,
                     step.masks,
                 )
-            )
+            outs.append(out)
             row += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
