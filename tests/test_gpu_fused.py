@@ -136,6 +136,7 @@ def _attn_reference(q, k, v, pos: int, scale: float, window: int, sinks) -> torc
         (16, 2, 64, 64, 700, 699, 128, False),  # a sliding window
         (8, 1, 64, 64, 200, 120, 50, True),  # window and sinks (gpt-oss)
         (4, 2, 256, 256, gpu.ATTN_MAX_KEYS, gpu.ATTN_MAX_KEYS - 1, 0, True),
+        (4, 2, 66, 42, 37, 30, 0, False),  # rows not in float4s; a value tail of 2 dims
     ],
 )
 @pytest.mark.parametrize("pos_on_gpu", [False, True])

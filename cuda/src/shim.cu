@@ -710,31 +710,49 @@ static __device__ float block_reduce(float v, float *part) {
     return v;
 }
 
-// One block per query head: each warp scores keys (lanes split the dot product), the block
-// takes the softmax over the scores in shared memory, each thread sums one output dimension.
-static __global__ void attn_decode_kernel(ft_cuda_attn_decode_args a) {
+// Threads per block of attn_decode_kernel, and the largest head it stages in shared memory.
+#define ATTN_THREADS 256
+#define ATTN_MAX_DIM 512
+
+// One block per query head. Every step keeps many independent loads in flight (the first
+// version, a warp per key with its lanes over the dimensions, walked keys one dependent load
+// and reduction after another and was slower than torch's five kernels): a thread per key
+// reads its whole key row against the query staged in shared memory; the softmax runs in
+// shared memory; the values are summed a warp per four dimensions (the transposed cache:
+// lanes over consecutive positions) or a thread per dimension (rows of positions).
+static __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_kernel(ft_cuda_attn_decode_args a) {
     extern __shared__ float score[];  // n_keys
     __shared__ float part[32];
+    __shared__ __align__(16) float qs[ATTN_MAX_DIM];
     const int64_t h = blockIdx.x;
     const int64_t g = h / (a.n_heads / a.n_kv_heads);
     const int64_t pos = a.pos_dev != nullptr ? *a.pos_dev : a.pos_value;
-    const float *q = a.q + h * a.head_dim;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-    for (int64_t j = warp; j < a.n_keys; j += n_warps) {
+    for (int64_t d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+        qs[d] = a.q[h * a.head_dim + d];
+    }
+    __syncthreads();
+    const float *kg = a.k + g * a.head_dim;
+    const bool vec = a.head_dim % 4 == 0 && a.k_stride % 4 == 0 && (uintptr_t)kg % 16 == 0;
+    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
         const bool seen = j <= pos && (a.window == 0 || pos - j < a.window);
         float acc = 0.0f;
-        if (seen) {
-            const float *k = a.k + j * a.k_stride + g * a.head_dim;
-            for (int64_t d = lane; d < a.head_dim; d += 32) {
-                acc += q[d] * k[d];
+        if (seen && vec) {
+            const float4 *k4 = reinterpret_cast<const float4 *>(kg + j * a.k_stride);
+            const float4 *q4 = reinterpret_cast<const float4 *>(qs);
+#pragma unroll 8
+            for (int d = 0; d < (int)(a.head_dim / 4); ++d) {  // int: 64-bit indices spilled
+                const float4 x = k4[d], y = q4[d];
+                acc += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+            }
+        } else if (seen) {
+            const float *k = kg + j * a.k_stride;
+#pragma unroll 8
+            for (int64_t d = 0; d < a.head_dim; ++d) {
+                acc += k[d] * qs[d];
             }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        }
-        if (lane == 0) {
-            score[j] = seen ? acc * a.scale : -INFINITY;
-        }
+        score[j] = seen ? acc * a.scale : -INFINITY;
     }
     __syncthreads();
     float m = a.sinks != nullptr ? a.sinks[h] : -INFINITY;
@@ -756,25 +774,34 @@ static __global__ void attn_decode_kernel(ft_cuda_attn_decode_args a) {
     const float *v = a.v + g * a.head_dim_v * a.v_dim_stride;
     float *out = a.out + h * a.head_dim_v;
     if (a.v_stride == 1 && a.v_dim_stride > 1) {
-        // The transposed cache (a row of positions per dimension): a warp per dimension, the
-        // lanes reading consecutive positions, as the scores above.
-        for (int64_t d = warp; d < a.head_dim_v; d += n_warps) {
-            const float *row = v + d * a.v_dim_stride;
-            float acc = 0.0f;
+        constexpr int DIMS = 4;  // per warp and pass: 4 rows' loads in flight per position
+        for (int64_t d0 = (int64_t)warp * DIMS; d0 < a.head_dim_v; d0 += (int64_t)n_warps * DIMS) {
+            float acc[DIMS] = {};
+            const float *rows = v + d0 * a.v_dim_stride;
+#pragma unroll 4
             for (int64_t j = lane; j < a.n_keys; j += 32) {
-                acc += score[j] * row[j];
+                const float p = score[j];
+#pragma unroll
+                for (int u = 0; u < DIMS; ++u) {
+                    if (d0 + u < a.head_dim_v) {
+                        acc[u] += p * rows[u * a.v_dim_stride + j];
+                    }
+                }
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            }
-            if (lane == 0) {
-                out[d] = acc * inv;
+#pragma unroll
+            for (int u = 0; u < DIMS; ++u) {
+                for (int o = 16; o > 0; o >>= 1) {
+                    acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+                }
+                if (lane == 0 && d0 + u < a.head_dim_v) {
+                    out[d0 + u] = acc[u] * inv;
+                }
             }
         }
     } else {
-        // Rows of positions: a thread per dimension, the threads reading consecutive floats.
         for (int64_t d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
             float acc = 0.0f;
+#pragma unroll 8
             for (int64_t j = 0; j < a.n_keys; ++j) {
                 acc += score[j] * v[j * a.v_stride + d * a.v_dim_stride];
             }
@@ -807,7 +834,7 @@ static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
     device_guard dg(a.device);
     cudaGetLastError();
     const size_t shared = (size_t)a.n_keys * sizeof(float);
-    attn_decode_kernel<<<(unsigned)a.n_heads, 128, shared, as_stream(a.stream)>>>(a);
+    attn_decode_kernel<<<(unsigned)a.n_heads, ATTN_THREADS, shared, as_stream(a.stream)>>>(a);
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "attn_decode");
 }
