@@ -140,8 +140,10 @@ install_wheel() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
         "$wheel" "$DEV"/wheels/gguf-*.whl
     # The working tree's Python sources over the wheel's: a Python-only change needs no new
-    # wheel (the extension module stays the wheel's).
-    (cd python && find freetoken -name '*.py' -exec cp --parents {} "$site/" \;)
+    # wheel (the extension module stays the wheel's). Another commit's wheel ("bare") keeps its
+    # own, which match its extension module.
+    [ "${3:-}" = bare ] ||
+        (cd python && find freetoken -name '*.py' -exec cp --parents {} "$site/" \;)
 }
 
 env_for_tests() {
@@ -264,7 +266,7 @@ bench_jobs_ab() {
     done
     install_wheel /tmp/ft-site-base
     for name in "${builds[@]:1}"; do
-        install_wheel "/tmp/ft-site-$name" "$(ls "$DEV/alt/$name"/freetoken-*.whl)"
+        install_wheel "/tmp/ft-site-$name" "$(ls "$DEV/alt/$name"/freetoken-*.whl)" bare
     done
     for round in $(seq "${FT_AB_ROUNDS:-2}"); do
         for name in "${builds[@]}"; do
