@@ -176,20 +176,31 @@ def print_time_model(entry: dict[str, Any]) -> None:
         f"\ntime model ({entry['label']}): t = (D + A) / B_g + (1 - h) R / B_c, R "
         f"{routed / 1e9:.3f} GB; B_g, B_c: bench-bw in the row's round\n"
     )
-    step = "b_gpu_step_gbps" in rows[0]["time_model"]
+    first = rows[0]["time_model"]
+    step, fixed = "b_gpu_step_gbps" in first, "fixed_ms" in first
     if step:
         print(
             "B_g (step): the all-resident gpu decode's bytes over its time, "
-            f"{rows[0]['time_model']['b_gpu_step_gbps']:.0f} GB/s\n"
+            f"{first['b_gpu_step_gbps']:.0f} GB/s\n"
         )
-    extra = " model ms, B_g (step) | ratio |" if step else ""
+    if fixed:
+        print(
+            "fixed: the all-resident gpu step plus the hand-off in every MoE layer, measured, "
+            f"{first['fixed_ms']:.2f} ms; model fixed + (1 - h) R / B_c\n"
+        )
+    extra = " model ms, B_g (step) | ratio |" * step + " model ms, fixed | ratio |" * fixed
     print(
         "| config | h | D + A, GB | B_g GB/s | B_c GB/s | model ms | measured ms | ratio |" + extra
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: | ---: |" * step)
+    print(
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + " ---: | ---: |" * (step + fixed)
+    )
     for r in rows:
         tm = r["time_model"]
         more = f" {tm['model_step_ms']:.2f} | {tm['ratio_step']:.2f} |" if step else ""
+        if fixed:
+            more += f" {tm['model_fixed_ms']:.2f} | {tm['ratio_fixed']:.2f} |"
         print(
             f"| {r['config']} | {r['hit_rate']:.3f} | "
             f"{(r['dense_bytes'] + tm['kv_bytes']) / 1e9:.3f} | {tm['b_gpu_gbps']:.0f} | "
@@ -214,8 +225,18 @@ def decode_bandwidth(entry: dict[str, Any]) -> float | None:
     return (gpu_row["dense_bytes"] + kv_bytes(entry) + routed[0]) * gpu_row["tg"] / 1e9
 
 
-def step_model(rows: list[dict[str, Any]], b_step: float) -> None:
-    """The time model again with ``b_step`` (:func:`decode_bandwidth`) for B_g."""
+def fixed_ms(handoff: dict[str, Any] | None, n_moe_layers: int) -> float | None:
+    """The two fixed parts of a hybrid step that the time model leaves out, both measured:
+    the all-resident ``gpu`` decode step and the hand-off's cost in every MoE layer (ms)."""
+    gpu_row = (handoff or {}).get("gpu") or {}
+    if not gpu_row.get("tg") or handoff is None or handoff.get("per_layer_us") is None:
+        return None
+    return 1e3 / gpu_row["tg"] + n_moe_layers * handoff["per_layer_us"] / 1e3
+
+
+def step_model(rows: list[dict[str, Any]], b_step: float, fixed: float | None) -> None:
+    """The time model again with ``b_step`` (:func:`decode_bandwidth`) for B_g, and with the
+    measured fixed parts (:func:`fixed_ms`) in place of (D + A) / B_g."""
     for r in rows:
         tm = r.get("time_model")
         if not tm:
@@ -223,6 +244,10 @@ def step_model(rows: list[dict[str, Any]], b_step: float) -> None:
         tm["b_gpu_step_gbps"] = b_step
         tm["model_step_ms"] = (r["dense_bytes"] + tm["kv_bytes"]) / (b_step * 1e6) + tm["cpu_ms"]
         tm["ratio_step"] = tm["measured_ms"] / tm["model_step_ms"]
+        if fixed is not None:
+            tm["fixed_ms"] = fixed
+            tm["model_fixed_ms"] = fixed + tm["cpu_ms"]
+            tm["ratio_fixed"] = tm["measured_ms"] / tm["model_fixed_ms"]
 
 
 def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -593,7 +618,9 @@ def main() -> None:
     for entry in entries:
         entry["rows"] = merge_rounds(entry["rounds"])
         if b_step is not None:
-            step_model(entry["rows"], b_step)
+            step_model(
+                entry["rows"], b_step, fixed_ms(entries[0]["handoff"], entry["n_moe_layers"])
+            )
         set_reference(entry)
         print_table(entry)
         print_time_model(entry)
