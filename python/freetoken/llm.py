@@ -180,8 +180,8 @@ class LLM:
             common += 1
         common = min(common, len(tokens) - 1)  # the last token must run to give logits
         if self._cache is None:
-            self._cache = self.model.new_cache(self.n_ctx)
-        self._cache.truncate(common)
+            self._cache = self.model.new_cache(self.n_ctx, max_step=PROMPT_CHUNK)
+        common = self._cache.truncate(common)
         self._tokens = tokens[:common]
         logits = torch.empty(0)
         for i in range(common, len(tokens), PROMPT_CHUNK):

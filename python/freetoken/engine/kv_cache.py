@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from freetoken.errors import InvalidInputError
@@ -15,7 +17,15 @@ class KVCache:
     as ``[n_kv_heads, head_dim_v, n_ctx]`` (as llama.cpp keeps them without flash
     attention): a decode step's product of the attention weights with the values then reads
     each head's values as a column-major matrix, which cuBLAS runs several times faster than
-    the row-major one on the GPU. Either way :meth:`store` returns them ``[L, heads, dims]``."""
+    the row-major one on the GPU. Either way :meth:`store` returns them ``[L, heads, dims]``.
+
+    Sliding-window layers (``windows[i] > 0``) keep only what their attention can still see
+    when that saves memory (as llama.cpp's SWA cache): a ring of ``window + max_step - 1``
+    positions, enough for a step of ``max_step`` tokens (:meth:`reserve` checks it), each
+    position written twice, at ``p % ring`` and ``p % ring + ring``, so that the positions a
+    step sees are always one slice, in order: :meth:`store` returns them from
+    :meth:`first_key` on, the same tensors a full cache gives a decode step. Rings are for
+    caches on the CPU: the GPU's captured decode steps index positions directly."""
 
     def __init__(
         self,
@@ -27,15 +37,27 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         v_transposed: bool = False,
+        windows: Sequence[int] = (),
+        max_step: int = 0,
     ) -> None:
         self.n_ctx = n_ctx
         self.v_transposed = v_transposed
-        self.k = [torch.zeros(n_ctx, n_kv_heads, head_dim_k, dtype=dtype, device=device)]
-        self.k += [torch.zeros_like(self.k[0]) for _ in range(n_layers - 1)]
-        v_shape = (
-            (n_kv_heads, head_dim_v, n_ctx) if v_transposed else (n_ctx, n_kv_heads, head_dim_v)
-        )
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_step = max_step
+        #: Per layer, its ring's size (0: every position is kept).
+        self.ring = [0] * n_layers
+        for i, w in enumerate(windows):
+            r = w + max_step - 1
+            if w > 0 and max_step > 0 and 2 * r < n_ctx and not v_transposed:
+                self.ring[i] = r
+        #: One past the highest position a ring has had written since it was last empty: the
+        #: rings hold positions from this minus their size on.
+        self._high = 0
+        self.k, self.v = [], []
+        for r in self.ring:
+            n = 2 * r or n_ctx
+            self.k.append(torch.zeros(n, n_kv_heads, head_dim_k, dtype=dtype, device=device))
+            v_shape = (n_kv_heads, head_dim_v, n) if v_transposed else (n, n_kv_heads, head_dim_v)
+            self.v.append(torch.zeros(v_shape, dtype=dtype, device=device))
         self.length = 0
 
     def reserve(self, n_new: int) -> int:
@@ -44,6 +66,11 @@ class KVCache:
             raise InvalidInputError(
                 f"context full: {self.length} + {n_new} tokens exceed the context size "
                 f"{self.n_ctx} (raise -c/--ctx-size)"
+            )
+        if any(self.ring) and n_new > self.max_step:
+            raise InvalidInputError(
+                f"a step of {n_new} tokens is longer than this cache's sliding-window rings "
+                f"allow ({self.max_step})"
             )
         return self.length
 
@@ -56,12 +83,26 @@ class KVCache:
         n_keys: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``k``/``v`` at positions ``start..`` of ``layer``; returns the layer's keys
-        and values for positions ``0..start + len(k) - 1``. With ``start`` a tensor of
-        positions (a captured step, whose shapes are fixed), returns the first ``n_keys``."""
+        and values for positions ``0..start + len(k) - 1`` (a ring layer: from
+        :meth:`first_key` on).
+        With ``start`` a tensor of positions (a captured step, whose shapes are fixed),
+        returns the first ``n_keys``."""
         kc, vc = self.k[layer], self.v[layer]
         k = k.to(kc.dtype)
         v = v.to(vc.dtype).permute(1, 2, 0) if self.v_transposed else v.to(vc.dtype)
         v_axis = 2 if self.v_transposed else 0
+        ring = self.ring[layer]
+        if ring:
+            assert isinstance(start, int), "rings are not captured"
+            end = start + k.shape[0]
+            slots = torch.arange(start, end, device=kc.device) % ring
+            for at in (slots, slots + ring):
+                kc.index_copy_(0, at, k)
+                vc.index_copy_(0, at, v)
+            self._high = max(self._high, end)
+            first = self.first_key(layer, start)
+            lo, hi = first % ring, first % ring + end - first
+            return kc[lo:hi], vc[lo:hi]
         if isinstance(start, torch.Tensor):
             kc.index_copy_(0, start, k)
             vc.index_copy_(v_axis, start, v)
@@ -74,10 +115,29 @@ class KVCache:
             return kc[:end], vc[:, :, :end].permute(2, 0, 1)
         return kc[:end], vc[:end]
 
+    def first_key(self, layer: int, start: int) -> int:
+        """The position of the first key :meth:`store` returns for a step from ``start``:
+        0, or for a ring layer the first one the step's first query sees."""
+        ring = self.ring[layer]
+        return max(0, start - (ring - self.max_step)) if ring else 0
+
     def commit(self, n_new: int) -> None:
         """Marks ``n_new`` positions as filled, after every layer stored them."""
         self.length += n_new
 
-    def truncate(self, length: int) -> None:
-        """Forgets positions from ``length`` on (for reusing a shared prefix)."""
-        self.length = min(self.length, max(0, length))
+    def truncate(self, length: int) -> int:
+        """Forgets positions from ``length`` on (for reusing a shared prefix); returns the
+        length kept: 0 when the rings no longer hold the keys the positions after ``length``
+        see (later positions overwrote them)."""
+        length = min(self.length, max(0, length))
+        ring = max(self.ring)
+        if (
+            ring
+            and length > 0
+            and self.first_key(self.ring.index(ring), length) < self._high - ring
+        ):
+            length = 0
+        if length == 0:
+            self._high = 0
+        self.length = length
+        return length

@@ -289,11 +289,12 @@ def attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     masks: dict[tuple[Any, ...], torch.Tensor | None] | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """Causal grouped-query attention of queries at positions ``start..`` over keys
-    ``0..len(k)-1``; with ``window``, a query at ``p`` sees keys ``j`` with ``p - j < window``.
-    ``start`` may instead be a tensor of the queries' positions (a captured decode step,
-    whose key range is fixed: keys past a query are masked). ``q [T, H, D]``,
+    ``key_start..key_start+len(k)-1``; with ``window``, a query at ``p`` sees keys ``j`` with
+    ``p - j < window``. ``start`` may instead be a tensor of the queries' positions (a
+    captured decode step, whose key range is fixed: keys past a query are masked). ``q [T, H, D]``,
     ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]`` (gpt-oss) are
     per-head logits that join each softmax's denominator and carry no value. ``masks``
     shares the masks between the layers of one step."""
@@ -303,11 +304,12 @@ def attention(
     if not isinstance(start, torch.Tensor) and window and t == 1:
         first = max(0, n_keys - window)
         k, v = k[first:], v[first:]
-    key = (id(start) if isinstance(start, torch.Tensor) else start, t, first, n_keys, window)
+    at = id(start) if isinstance(start, torch.Tensor) else start
+    key = (at, t, first, n_keys, window, key_start)
     if masks is not None and key in masks:
         mask = masks[key]
     else:
-        mask = _causal_mask(start, t, first, n_keys, window, q.device)
+        mask = _causal_mask(start, t, first + key_start, n_keys + key_start, window, q.device)
         if masks is not None:
             masks[key] = mask
     if t == 1:

@@ -93,6 +93,12 @@ class Span:
         """Writes the rows' keys and values; returns the keys and values attention reads."""
         return self.cache.store(layer, self.start, k, v, self.n_keys)
 
+    def first_key(self, layer: int) -> int:
+        """The position of the first key :meth:`store` returned."""
+        return (
+            0 if isinstance(self.start, torch.Tensor) else self.cache.first_key(layer, self.start)
+        )
+
 
 @dataclass
 class Step:
@@ -331,12 +337,20 @@ class Transformer:
         heads, dk, dv = self._kv_shape()
         return 4 * self.cfg.n_layers * n_ctx * heads * (dk + dv)
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cache(self, n_ctx: int, max_step: int = 0) -> KVCache:
         """An empty KV cache for one sequence of up to ``n_ctx`` tokens, on the model's
-        device."""
+        device. With ``max_step`` (the most tokens a step gives the sequence), a cache on the
+        CPU keeps sliding-window layers in rings of what they can still see."""
         dev = self.device
+        windows = [self.cfg.sliding_window if blk.swa else 0 for blk in self.blocks]
         return KVCache(
-            self.cfg.n_layers, n_ctx, *self._kv_shape(), device=dev, v_transposed=dev.type == "cuda"
+            self.cfg.n_layers,
+            n_ctx,
+            *self._kv_shape(),
+            device=dev,
+            v_transposed=dev.type == "cuda",
+            windows=windows if dev.type == "cpu" else (),
+            max_step=max_step,
         )
 
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -512,6 +526,7 @@ class Transformer:
                     window,
                     blk.sinks,
                     step.masks,
+                    sp.first_key(i),
                 )
             outs.append(out)
             row += n

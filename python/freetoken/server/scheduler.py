@@ -51,7 +51,7 @@ MIN_PREFIX_MATCH = 16
 class EngineModel(Protocol):
     """What the scheduler needs of a model (``freetoken.models.Transformer``)."""
 
-    def new_cache(self, n_ctx: int) -> KVCache: ...
+    def new_cache(self, n_ctx: int, max_step: int = 0) -> KVCache: ...
 
     def forward_batch(
         self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
@@ -225,7 +225,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.hooks = hooks or SchedulerHooks()
         self.eog = frozenset(int(t) for t in tokenizer.eog_ids)
-        self.slots = [Slot(i, model.new_cache(n_ctx)) for i in range(n_slots)]
+        self.slots = [
+            Slot(i, model.new_cache(n_ctx, max_step=batch_tokens)) for i in range(n_slots)
+        ]
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         self._cond = threading.Condition()
@@ -388,7 +390,11 @@ class Scheduler:
                 # The last prompt token runs again: its logits start the generation.
                 common = min(common, len(prompt) - 1)
                 slot.prompt_logits, slot.prompt_len = None, 0
-            slot.cache.truncate(common)
+            kept = slot.cache.truncate(common)
+            if kept < common:
+                # A sliding-window ring no longer holds the keys this prefix needs.
+                common, job._ready = kept, None
+                slot.prompt_logits, slot.prompt_len = None, 0
             del slot.tokens[common:]
             slot.job = job
             job._slot = slot

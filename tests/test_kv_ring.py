@@ -1,0 +1,103 @@
+"""Sliding-window layers keep a ring of the positions they can still see (``KVCache``): the
+same logits as llama.cpp's (teacher-forced past the window, in steps of several tokens), bit
+for bit those of a cache that keeps every position (a step sees the same keys in the same
+order), less memory, and a prefix reused only while its ring still holds the keys the next
+positions need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from freetoken.llm import LLM
+from freetoken.models.transformer import Transformer
+from teacher_forced import compare
+
+WINDOW = 8
+STEP = 5
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from freetoken.testmodel import make_test_model
+
+    return make_test_model(
+        "gemma3",
+        layers=3,
+        hidden=256,
+        ffn=512,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        seed=11,
+        quant="q8_0",
+        out=tmp_path_factory.mktemp("ring") / "gemma3.gguf",
+        sliding_window=WINDOW,
+        swa_pattern=2,
+    )
+
+
+def _stepped(model: Transformer, seq: list[int], n_ctx: int, max_step: int) -> torch.Tensor:
+    """Every position's logits, fed in steps of 1..``STEP`` tokens (a fixed pattern)."""
+    cache = model.new_cache(n_ctx, max_step=max_step)
+    out, i, n = [], 0, 1
+    while i < len(seq):
+        out.append(model.forward(seq[i : i + n], cache, all_logits=True))
+        i, n = i + n, n % STEP + 1
+    return torch.cat(out)
+
+
+def _seq(llm: LLM, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(5).integers(1, llm.vocab_size, n)]
+
+
+def test_ring_is_used_and_smaller(gemma3: Path) -> None:
+    model = LLM(gemma3, n_ctx=64).model
+    ring = model.new_cache(64, max_step=STEP)
+    full = model.new_cache(64)
+    assert ring.ring == [WINDOW + STEP - 1, 0, WINDOW + STEP - 1]  # SWA on layers 0 and 2
+    assert full.ring == [0, 0, 0]
+    assert sum(k.numel() for k in ring.k) < sum(k.numel() for k in full.k)
+    # A step longer than the rings allow is refused, not computed wrong.
+    with pytest.raises(Exception, match="sliding-window"):
+        model.forward(list(range(1, STEP + 2)), ring)
+
+
+@pytest.mark.slow
+def test_ring_matches_llamacpp(gemma3: Path, llama_ref_root: Path) -> None:
+    import llama_ref
+
+    llm = LLM(gemma3, n_ctx=64)
+    seq = _seq(llm, 48)  # six windows
+    ours = _stepped(llm.model, seq, 64, STEP)[:-1].numpy()
+    with llama_ref.LlamaRef.load(gemma3, n_ctx=64, n_threads=2, root=llama_ref_root) as ref:
+        want = ref.logits(seq)[:-1]
+    c = compare(want, ours)
+    assert not c.mismatches and c.mean_kl <= 0.005, c.describe()
+
+
+def test_ring_matches_every_position_kept(gemma3: Path) -> None:
+    llm = LLM(gemma3, n_ctx=64)
+    seq = _seq(llm, 48)
+    ring = _stepped(llm.model, seq, 64, STEP)
+    full = _stepped(llm.model, seq, 64, 0)
+    assert torch.equal(ring, full)
+
+
+def test_truncate_keeps_a_prefix_only_while_the_ring_holds_it(gemma3: Path) -> None:
+    llm = LLM(gemma3, n_ctx=64)
+    model, seq = llm.model, _seq(llm, 40)
+    full = _stepped(model, seq, 64, 0)
+    cache = model.new_cache(64, max_step=STEP)
+    for i in range(0, 40, 4):
+        model.forward(seq[i : i + 4], cache)
+    # The ring (12 positions) holds 28..39: continuing from 36 needs 29..35.
+    assert cache.truncate(36) == 36
+    again = model.forward(seq[36:40], cache, all_logits=True)
+    assert torch.equal(again, full[36:40])
+    # From 20 it would need 13..19, long overwritten: nothing is kept.
+    assert cache.truncate(20) == 0
+    assert cache.length == 0
+    assert torch.equal(model.forward(seq[:4], cache, all_logits=True), full[:4])
