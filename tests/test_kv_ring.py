@@ -6,6 +6,7 @@ positions need."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,48 @@ def test_truncate_keeps_a_prefix_only_while_the_ring_holds_it(gemma3: Path) -> N
     assert cache.truncate(20) == 0
     assert cache.length == 0
     assert torch.equal(model.forward(seq[:4], cache, all_logits=True), full[:4])
+
+
+def _greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation on a cache that keeps every position."""
+    cache, out = model.new_cache(64), []
+    logits = model.forward(prompt, cache)
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward(out[-1:], cache)
+    return out
+
+
+def test_server_slots_reuse_a_prefix_only_while_the_ring_holds_it(gemma3: Path) -> None:
+    from freetoken.engine.sampler import SamplingParams
+    from freetoken.server.scheduler import GenerationRequest, Scheduler
+
+    llm = LLM(gemma3, n_ctx=64)
+    sched = Scheduler(
+        llm.model, llm.tokenizer, n_slots=1, n_ctx=64, vocab_size=llm.vocab_size,
+        batch_tokens=STEP,
+    )  # fmt: skip
+    assert sched.slots[0].cache.ring[0] == WINDOW + STEP - 1
+
+    async def run(prompt: list[int], n: int) -> tuple[list[int], int]:
+        req = GenerationRequest(
+            prompt, n, SamplingParams(temperature=0), logprobs=0, ignore_eos=True
+        )
+        job = sched.submit(req)
+        tokens = [lp.token async for ev in job.events() for lp in ev.logprobs]
+        return tokens, job.cached_tokens
+
+    prompt = _seq(llm, 20)
+    first = _greedy(llm.model, prompt, 30)
+    sched.start()
+    try:
+        assert asyncio.run(run(prompt, 30)) == (first, 0)
+        # The same prompt again: the ring lost its end (it holds positions 37..48, the last
+        # sampled token never ran), so it runs from the start and gives the same tokens.
+        assert asyncio.run(run(prompt, 30)) == (first, 0)
+        # The prompt extended by what was generated: its last token runs again, from 44,
+        # which needs 37..43: kept.
+        longer = prompt + first[:25]
+        assert asyncio.run(run(longer, 8)) == (_greedy(llm.model, longer, 8), 44)
+    finally:
+        sched.stop()
