@@ -12,6 +12,16 @@ from freetoken.errors import FileAccessError
 from freetoken.testmodel import make_test_model
 from freetoken.testmodel.vocab import llama_tree
 
+#: The dense shape of the small synthetic models the llama.cpp comparisons run.
+SMALL_DENSE: dict[str, int] = {
+    "layers": 3,
+    "hidden": 256,
+    "ffn": 512,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 64,
+}
+
 
 def build_models(
     specs: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], out: Path

@@ -14,6 +14,7 @@ import pytest
 import torch
 from freetoken.llm import LLM
 from freetoken.models.transformer import Transformer
+from synthetic import SMALL_DENSE
 from teacher_forced import compare
 
 WINDOW = 8
@@ -26,12 +27,7 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return make_test_model(
         "gemma3",
-        layers=3,
-        hidden=256,
-        ffn=512,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
+        **SMALL_DENSE,
         seed=11,
         quant="q8_0",
         out=tmp_path_factory.mktemp("ring") / "gemma3.gguf",

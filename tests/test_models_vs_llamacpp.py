@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from freetoken.llm import LLM
+from synthetic import SMALL_DENSE
 from teacher_forced import compare
 
 PROMPTS = [
@@ -115,12 +116,7 @@ def test_synthetic_model_matches_llamacpp(
 
     path = make_test_model(
         arch,
-        layers=3,
-        hidden=256,
-        ffn=512,
-        heads=4,
-        kv_heads=2,
-        head_dim=64,
+        **SMALL_DENSE,
         seed=7,
         quant=quant,
         out=tmp_path / f"{arch}.gguf",
