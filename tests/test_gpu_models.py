@@ -144,6 +144,39 @@ def test_gpu_matches_cpu(
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
 
 
+#: Issue 7's check of the hybrid split: families with different expert layouts and mixed
+#: quant types, teacher-forced over 256 positions each (4 x 64 greedy tokens of the CPU).
+HYBRID_LONG = ["qwen3moe", "mixed", "deepseek2", "glm4moe"]
+LONG_PROMPTS = [*PROMPTS, "Once upon a time, in a small village by the sea,", "List 3 primes: 2,"]
+
+
+def _cpu_greedy(llm: LLM, tokens: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``tokens`` (through end-of-generation tokens too)."""
+    cache = llm.model.new_cache(len(tokens) + n)
+    logits, out = llm.model.forward(tokens, cache), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = llm.model.forward(out[-1:], cache)
+    return out
+
+
+@pytest.mark.parametrize("name", HYBRID_LONG)
+def test_hybrid_matches_cpu_over_256_positions(name: str, model_files: dict[str, Path]) -> None:
+    path = model_files[name]
+    cpu = LLM(path, n_ctx=256, engine=EngineOptions(device="cpu"))
+    llm = _gpu_llm(path, "hybrid", "quant")
+    refs, ours = [], []
+    for prompt in LONG_PROMPTS:
+        tokens = cpu.tokenize(prompt)
+        seq = tokens + _cpu_greedy(cpu, tokens, 64)
+        first = len(tokens) - 1
+        refs.append(cpu.logits(seq)[first : len(seq) - 1].numpy())
+        ours.append(_decode_logits(llm, seq, first))
+    ref, got = np.concatenate(refs), np.concatenate(ours)
+    assert ref.shape[0] == 256
+    _check(name, "hybrid decode over 256 positions", ref, got)
+
+
 def test_auto_without_room_for_slots_serves_experts_on_the_cpu(
     model_files: dict[str, Path],
 ) -> None:
