@@ -256,7 +256,7 @@ fn wait_ready(ready: &AtomicBool, failed: &AtomicBool) -> bool {
     }
 }
 
-/// out[T, hidden] = sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]).
+/// `out[T, hidden] = sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])`.
 ///
 /// `x` is `[T, hidden]`, `ids` and `weights` are `[T, top_k]`. Expert ids out of range and
 /// shapes that do not fit are errors; nothing is touched before every size is checked.
