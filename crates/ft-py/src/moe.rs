@@ -378,6 +378,34 @@ impl Drop for PyMoeTicket {
     }
 }
 
+impl PyMoeExecutor {
+    /// The arguments of a call from Python (`run`, `submit`): counted in the layer's counters,
+    /// with the executor's activation rounding.
+    #[allow(clippy::too_many_arguments)]
+    fn counted(
+        &self,
+        x: usize,
+        x_len: usize,
+        ids: usize,
+        weights: usize,
+        n_routes: usize,
+        out: usize,
+        skip_negative: bool,
+    ) -> CallArgs {
+        CallArgs {
+            x,
+            x_len,
+            ids,
+            weights,
+            n_routes,
+            out,
+            skip_negative,
+            residual_acts: self.residual_acts,
+            record: true,
+        }
+    }
+}
+
 #[pymethods]
 impl PyMoeExecutor {
     /// `residual_acts`: quantize each activation in two passes, the row and its rounding
@@ -428,17 +456,7 @@ impl PyMoeExecutor {
         out: usize,
         skip_negative: bool,
     ) -> PyResult<()> {
-        let args = CallArgs {
-            x,
-            x_len,
-            ids,
-            weights,
-            n_routes,
-            out,
-            skip_negative,
-            residual_acts: self.residual_acts,
-            record: true,
-        };
+        let args = self.counted(x, x_len, ids, weights, n_routes, out, skip_negative);
         py.detach(|| layer.run(&self.pool, &args)).py_err()
     }
 
@@ -458,17 +476,7 @@ impl PyMoeExecutor {
         out: usize,
         skip_negative: bool,
     ) -> PyMoeTicket {
-        let args = CallArgs {
-            x,
-            x_len,
-            ids,
-            weights,
-            n_routes,
-            out,
-            skip_negative,
-            residual_acts: self.residual_acts,
-            record: true,
-        };
+        let args = self.counted(x, x_len, ids, weights, n_routes, out, skip_negative);
         let pool = Arc::clone(&self.pool);
         let ticket = self
             .background
