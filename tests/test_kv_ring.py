@@ -143,3 +143,18 @@ def test_server_slots_reuse_a_prefix_only_while_the_ring_holds_it(gemma3: Path) 
         assert asyncio.run(run(longer, 8)) == (_greedy(llm.model, longer, 8), 44)
     finally:
         sched.stop()
+
+
+@pytest.mark.slow
+def test_long_prompt_chunks_match_every_position_kept(default_model: Path) -> None:
+    """The default model's 512-token prompt chunks past its 512-token window: the rings'
+    logits equal a full cache's bit for bit (attention leaves out the keys no query of a
+    chunk sees, with a ring or without)."""
+    llm = LLM(default_model, n_ctx=4096)
+    tokens = [2, *(int(t) for t in np.random.default_rng(0).integers(100, 20000, 1299))]
+    ring, full = llm.model.new_cache(4096, max_step=512), llm.model.new_cache(4096)
+    assert any(ring.ring) and not any(full.ring)
+    for i in range(0, len(tokens), 512):
+        a = llm.model.forward(tokens[i : i + 512], ring, all_logits=True)
+        b = llm.model.forward(tokens[i : i + 512], full, all_logits=True)
+        assert torch.equal(a, b), f"chunk at {i}"

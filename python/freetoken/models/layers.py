@@ -301,8 +301,10 @@ def attention(
     t, h, _ = q.shape
     n_keys = k.shape[0]
     first = 0
-    if not isinstance(start, torch.Tensor) and window and t == 1:
-        first = max(0, n_keys - window)
+    if not isinstance(start, torch.Tensor) and window:
+        # Keys before the first query's window are masked for every query: left out, so
+        # that a cache that no longer holds them (a ring) computes on the same tensors.
+        first = max(0, start - key_start - window + 1)
         k, v = k[first:], v[first:]
     at = id(start) if isinstance(start, torch.Tensor) else start
     key = (at, t, first, n_keys, window, key_start)
