@@ -24,8 +24,10 @@ class KVCache:
     positions, enough for a step of ``max_step`` tokens (:meth:`reserve` checks it), each
     position written twice, at ``p % ring`` and ``p % ring + ring``, so that the positions a
     step sees are always one slice, in order: :meth:`store` returns them from
-    :meth:`first_key` on, the same tensors a full cache gives a decode step. Rings are for
-    caches on the CPU: the GPU's captured decode steps index positions directly."""
+    :meth:`first_key` on, and attention computes on the same tensors as with a full cache
+    (``layers.attention`` leaves out the keys before a step's first window either way).
+    Rings are for caches on the CPU: the GPU's captured decode steps index positions
+    directly."""
 
     def __init__(
         self,
