@@ -62,6 +62,19 @@ def test_ring_is_used_and_smaller(gemma3: Path) -> None:
         model.forward(list(range(1, STEP + 2)), ring)
 
 
+def test_swa_full_keeps_every_position(gemma3: Path) -> None:
+    import argparse
+
+    from freetoken.engine import options
+
+    ap = argparse.ArgumentParser()
+    options.add_arguments(ap)
+    opts = options.from_args(ap.parse_args(["--swa-full"]))
+    assert opts.swa_full
+    model = LLM(gemma3, n_ctx=64, engine=opts).model
+    assert model.new_cache(64, max_step=STEP).ring == [0, 0, 0]
+
+
 @pytest.mark.slow
 def test_ring_matches_llamacpp(gemma3: Path, llama_ref_root: Path) -> None:
     import llama_ref

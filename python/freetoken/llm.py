@@ -122,6 +122,7 @@ class LLM:
             engine.moe_cpu_threads or n_threads or default_threads(engine_options.use_gpu(engine))
         )
         self.model = load_model(self.gguf, bar, moe_threads, engine.moe_cpu_precise, engine.poll_us)
+        self.model.swa_full = engine.swa_full
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length

@@ -56,7 +56,10 @@ class EngineOptions:
     engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py).
     ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
-    huge-page-backed memory (freetoken.gguf.GGUFFile)."""
+    huge-page-backed memory (freetoken.gguf.GGUFFile).
+    ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
+    ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
+    see (engine/kv_cache.py)."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -71,6 +74,7 @@ class EngineOptions:
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
     mmap: bool = True
+    swa_full: bool = False
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -156,6 +160,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="read the model into memory (huge pages where the kernel allows) instead of "
         "mapping it: faster CPU experts, needs the model's size free in RAM",
     )
+    g.add_argument(
+        "--swa-full",
+        action="store_true",
+        help="keep every position in sliding-window layers' KV cache (CPU) instead of a ring "
+        "of the window: more memory, longer reusable prefixes",
+    )
 
 
 def from_args(args: argparse.Namespace) -> EngineOptions:
@@ -174,6 +184,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
         mmap=args.mmap,
+        swa_full=args.swa_full,
     )
 
 

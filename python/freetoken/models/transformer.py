@@ -318,6 +318,8 @@ class Transformer:
     device = torch.device("cpu")
     #: Decode steps as CUDA graphs (set by GPU placement when every layer can be captured).
     graphs: GraphDecoder | None = None
+    #: Sliding-window layers keep every position in CPU caches too (``--swa-full``).
+    swa_full: bool = False
     #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
     #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
     step_hook: StepHook | None = None
@@ -340,7 +342,8 @@ class Transformer:
     def new_cache(self, n_ctx: int, max_step: int = 0) -> KVCache:
         """An empty KV cache for one sequence of up to ``n_ctx`` tokens, on the model's
         device. With ``max_step`` (the most tokens a step gives the sequence), a cache on the
-        CPU keeps sliding-window layers in rings of what they can still see."""
+        CPU keeps sliding-window layers in rings of what they can still see (unless
+        ``swa_full``)."""
         dev = self.device
         windows = [self.cfg.sliding_window if blk.swa else 0 for blk in self.blocks]
         return KVCache(
@@ -349,7 +352,7 @@ class Transformer:
             *self._kv_shape(),
             device=dev,
             v_transposed=dev.type == "cuda",
-            windows=windows if dev.type == "cpu" else (),
+            windows=windows if dev.type == "cpu" and not self.swa_full else (),
             max_step=max_step,
         )
 
