@@ -120,7 +120,9 @@ class KVCache:
     def first_key(self, layer: int, start: int) -> int:
         """The position of the first key :meth:`store` returns for a step from ``start``:
         0, or for a ring layer the first one the step's first query sees."""
-        ring = self.ring[layer]
+        return self._first(self.ring[layer], start)
+
+    def _first(self, ring: int, start: int) -> int:
         return max(0, start - (ring - self.max_step)) if ring else 0
 
     def commit(self, n_new: int) -> None:
@@ -132,12 +134,8 @@ class KVCache:
         length kept: 0 when the rings no longer hold the keys the positions after ``length``
         see (later positions overwrote them)."""
         length = min(self.length, max(0, length))
-        ring = max(self.ring)
-        if (
-            ring
-            and length > 0
-            and self.first_key(self.ring.index(ring), length) < self._high - ring
-        ):
+        ring = max(self.ring)  # every ring layer has the one window
+        if ring and length > 0 and self._first(ring, length) < self._high - ring:
             length = 0
         if length == 0:
             self._high = 0
