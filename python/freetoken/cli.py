@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -109,12 +110,41 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_info(args: argparse.Namespace) -> int:
+    from freetoken.info import report
+
+    print(report())
+    return 0
+
+
+class _InfoAction(argparse.Action):
+    """``--version``: the version line and what this install can do (``freetoken info``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        try:
+            from freetoken.info import report
+
+            print(report())
+        except FreeTokenError as e:
+            print(f"freetoken {__version__}\nerror: {e}", file=sys.stderr)
+            parser.exit(2)
+        parser.exit()
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="freetoken", description="Run GGUF language models, MoE models beyond GPU memory."
     )
-    parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
+    parser.add_argument(
+        "--version", action=_InfoAction, help="print what this install can do, then exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="version, CPU kernels, GPU library and device")
+    info.set_defaults(func=_cmd_info)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, or chat (-cnv)")
     _add_model_args(gen)
@@ -169,6 +199,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: runs a subcommand; bad input prints one line and exits 2."""
     args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        format="freetoken: %(message)s",
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+    )
     try:
         return int(args.func(args) or 0)
     except FreeTokenError as e:

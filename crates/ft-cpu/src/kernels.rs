@@ -219,6 +219,20 @@ impl RowDots {
     }
 }
 
+/// The instruction set of the kernels in use: `avx512-vnni` when this CPU runs the multi-row
+/// kernels here, else `avx2` or `generic` (ggml's row kernels as ggml-cpu was built).
+pub fn kernel_isa() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::usable() {
+        return "avx512-vnni";
+    }
+    if freetoken_ggml::cpu_has_avx2() {
+        "avx2"
+    } else {
+        "generic"
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{GroupFn, GroupFns, GROUP, TILES};
@@ -316,10 +330,11 @@ mod avx512 {
         }
     }
 
-    /// The group kernels for `kernel`'s types on this CPU, if there are.
-    pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
+    /// Whether this CPU runs these kernels (and ggml's row kernels take their AVX2 paths,
+    /// whose rounding they reproduce).
+    pub(super) fn usable() -> bool {
         static USABLE: OnceLock<bool> = OnceLock::new();
-        let usable = *USABLE.get_or_init(|| {
+        *USABLE.get_or_init(|| {
             freetoken_ggml::cpu_has_avx2()
                 && is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
@@ -327,9 +342,13 @@ mod avx512 {
                 && is_x86_feature_detected!("avx512vnni")
                 && is_x86_feature_detected!("f16c")
                 && is_x86_feature_detected!("fma")
-        });
+        })
+    }
+
+    /// The group kernels for `kernel`'s types on this CPU, if there are.
+    pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
         const _: () = assert!(TILES[0] == 8 && TILES[1] == 4);
-        if !usable {
+        if !usable() {
             return None;
         }
         use super::avx512_k::{

@@ -12,6 +12,7 @@ mod pool;
 
 pub use background::{Background, Ticket};
 pub use handoff::{missed_routes, HandoffBlock, Request as HandoffRequest, WORDS as HANDOFF_WORDS};
+pub use kernels::kernel_isa;
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{
     moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeStats, MoeWeights,

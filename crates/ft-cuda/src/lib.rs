@@ -6,8 +6,8 @@
 //! `RTLD_LOCAL`: it carries its own ggml-base, which must not interpose with the extension's.
 //! Its C ABI is checked on load (ABI version, the size of every argument struct) and every
 //! call's arguments are checked here before the library sees them (shapes, sizes, the
-//! 2^31-block limit, slot ids). Without the library or without a GPU, [`runtime`] says why, once
-//! on stderr, and FreeToken runs CPU-only.
+//! 2^31-block limit, slot ids). Without the library or without a GPU, [`runtime`] says why and
+//! FreeToken runs CPU-only.
 //!
 //! Device memory is the caller's (torch tensors): addresses cross as `usize`, and the work is
 //! queued on the caller's stream.
@@ -350,18 +350,18 @@ unsafe impl Sync for Cuda {}
 
 static RUNTIME: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
 
-/// The GPU runtime, loaded on first use; `Unsupported` with the reason when there is none. The
-/// first failure is reported once on stderr ("running CPU-only").
+/// The GPU runtime, loaded on first use; `Unsupported` with the reason when there is none
+/// (the caller decides whether and how to tell the user).
 pub fn runtime() -> Result<&'static Cuda> {
-    let r = RUNTIME.get_or_init(|| {
-        let r = locate().and_then(|p| Cuda::load(&p));
-        if let Err(why) = &r {
-            eprintln!("freetoken: no GPU ({why}); running CPU-only");
-        }
-        r
-    });
-    r.as_ref()
+    RUNTIME
+        .get_or_init(|| locate().and_then(|p| Cuda::load(&p)))
+        .as_ref()
         .map_err(|why| Error::Unsupported(format!("the GPU is not available: {why}")))
+}
+
+/// Whether a library file is where [`runtime`] looks for one (loadable or not).
+pub fn library_present() -> bool {
+    locate().is_ok_and(|p| p.is_file())
 }
 
 /// Whether a GPU runtime is loaded and found at least one device (loads it on first call).

@@ -24,16 +24,22 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
+    m.add("CUDA_ABI_VERSION", ft_cuda::ABI_VERSION)?;
     Ok(())
 }
 
-/// (available, the library's path or why there is no GPU, device count). Loads the library on
-/// first call.
+/// (available, the library's path or why there is no GPU, device count, whether a library
+/// file is there at all). Loads the library on first call.
 #[pyfunction]
-pub fn cuda_status(py: Python<'_>) -> (bool, String, i32) {
+pub fn cuda_status(py: Python<'_>) -> (bool, String, i32, bool) {
     py.detach(|| match ft_cuda::runtime() {
-        Ok(rt) => (true, rt.path().display().to_string(), rt.n_devices()),
-        Err(e) => (false, e.message().to_string(), 0),
+        Ok(rt) => (true, rt.path().display().to_string(), rt.n_devices(), true),
+        Err(e) => (
+            false,
+            e.message().to_string(),
+            0,
+            ft_cuda::library_present(),
+        ),
     })
 }
 

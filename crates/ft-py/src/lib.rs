@@ -30,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::poll_us, m)?)?;
+    m.add_function(wrap_pyfunction!(threads::cpu_kernel_isa, m)?)?;
     cuda::register(m)?;
     slots::register(m)?;
     Ok(())

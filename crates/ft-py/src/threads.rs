@@ -43,3 +43,9 @@ pub fn num_threads() -> usize {
 pub fn poll_us() -> u64 {
     pool().poll().as_micros() as u64
 }
+
+/// The instruction set of the CPU kernels in use (`avx512-vnni`, `avx2` or `generic`).
+#[pyfunction]
+pub fn cpu_kernel_isa() -> &'static str {
+    ft_cpu::kernel_isa()
+}

@@ -6,8 +6,8 @@ queued on torch's current stream of their device, and nothing synchronizes unles
 ``check_ids`` asks for the device-side id check. Shapes are numpy order: a pool of ``n_slots``
 matrices ``(n, k)``, activations ``(T, k)``, slot ids ``(T, n_used)``.
 
-Without the library or a GPU, :func:`available` is False (FreeToken says once on stderr why,
-and runs CPU-only); the other calls raise UnsupportedError.
+Without the library or a GPU, :func:`available` is False (the engine says so in one line and
+runs CPU-only); the other calls raise UnsupportedError.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = [
     "attn_decode_fits",
     "available",
     "constant",
+    "cpu_only_notice",
     "device_info",
     "expert_matmul",
     "handoff_routes",
@@ -53,6 +54,8 @@ class GpuStatus:
     available: bool
     detail: str
     n_devices: int
+    library_present: bool
+    """Whether a library file is where the loader looks (loadable or not)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,18 @@ class DeviceInfo:
 def status() -> GpuStatus:
     """Loads the GPU library on first call and reports what it found."""
     return GpuStatus(*_core.cuda_status())
+
+
+def cpu_only_notice(st: GpuStatus, torch_cuda: bool) -> tuple[str, str]:
+    """Why FreeToken runs on the CPU: one short line for everyone, and the detail for ``-v``."""
+    if not st.library_present:
+        return (
+            "no GPU library in this install, running on the CPU (`freetoken info` says more)",
+            st.detail,
+        )
+    if st.available and not torch_cuda:
+        return "torch sees no CUDA device, running on the CPU", f"library {st.detail}"
+    return f"the GPU library cannot be used, running on the CPU: {st.detail}", st.detail
 
 
 def available() -> bool:

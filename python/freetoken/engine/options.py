@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,8 @@ CACHE_SCOPES = ("type", "per-layer")
 DENSE_MODES = ("quant", "bf16")
 #: Microseconds of polling per ``--poll`` level (llama.cpp's 0-100 scale).
 POLL_STEP_US = 20
+
+_log = logging.getLogger("freetoken")
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
 
 def use_gpu(opts: EngineOptions) -> bool:
     """Whether the model goes to the GPU (``auto``: when torch and libfreetoken_cuda see
-    one; otherwise FreeToken runs CPU-only, and the library loader said why)."""
+    one; otherwise FreeToken runs CPU-only and says why in one line, once)."""
     if opts.device == "cpu":
         return False
     import torch
@@ -213,7 +217,20 @@ def use_gpu(opts: EngineOptions) -> bool:
         from freetoken.errors import UnsupportedError
 
         raise UnsupportedError(f"--device cuda: no usable GPU ({gpu.status().detail})")
+    if not ready:
+        _note_cpu_only()
     return ready
+
+
+@functools.cache
+def _note_cpu_only() -> None:
+    import torch
+
+    from freetoken.engine import gpu
+
+    line, detail = gpu.cpu_only_notice(gpu.status(), torch.cuda.is_available())
+    _log.warning(line)
+    _log.info("GPU: %s", detail)
 
 
 def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | None:
