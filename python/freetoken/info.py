@@ -41,8 +41,7 @@ def _host_flags() -> list[str]:
 def _cpu_line() -> str:
     flags = " ".join(_host_flags()) or "unknown"
     return (
-        f"CPU: kernels {_core.cpu_kernel_isa()}, {os.cpu_count()} threads available "
-        f"(host: {flags})"
+        f"CPU: kernels {_core.cpu_kernel_isa()}, {os.cpu_count()} threads available (host: {flags})"
     )
 
 
