@@ -27,6 +27,8 @@ const BASELINE_OPTIONS: &[&str] = &[
     "GGML_BMI2=ON",
 ];
 
+mod cuda_request;
+
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 fn main() {
@@ -40,10 +42,25 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=cuda_request.rs");
+    let cuda = cuda_request::from_env().unwrap_or_else(|why| {
+        eprintln!("error: {why}");
+        std::process::exit(1)
+    });
     let llama = llama_source().unwrap_or_else(|e| panic!("freetoken-ggml: {e}"));
     build_ggml(&llama);
-    // Other build scripts (the CUDA library, reference builds) find the same tree here.
+    // Other build scripts (the CUDA library, reference builds) find the same tree, the same
+    // CPU options and the GPU request here (DEP_GGML_*).
     println!("cargo:src={}", llama.display());
+    let options: Vec<String> = cpu_options()
+        .iter()
+        .map(|(n, v)| format!("{n}={v}"))
+        .collect();
+    println!("cargo:cpu_options={}", options.join(";"));
+    if let Some(cuda) = cuda {
+        println!("cargo:cuda_nvcc={}", cuda.nvcc.display());
+        println!("cargo:cuda_archs={}", cuda.archs);
+    }
 }
 
 fn cache_dir() -> PathBuf {

@@ -21,9 +21,11 @@
 #   UI sources or unused backends: about 32 MB) and the abi3 wheel, built with the explicit GGML CPU
 #   options below (never native) so that it runs on the GPU machine too.
 # build:   one cmake/ninja tree in $FT_BUILD (default /tmp/ft-build) builds libfreetoken_cuda.so
-#   and llama.cpp's llama-bench and llama-server (no web UI), so ggml-cuda compiles once; the
-#   wheel is installed into $FT_SITE (default /tmp/ft-site) with the working tree's Python
-#   sources over it.
+#   through cuda/CMakeLists.txt, the entry point `FREETOKEN_CUDA=1 pip install` builds it with
+#   (crates/ft-cuda/build.rs), and llama.cpp's llama-bench and llama-server (no web UI), so
+#   ggml-cuda compiles once; the wheel is installed into $FT_SITE (default /tmp/ft-site) with
+#   the working tree's Python sources over it and the library next to the extension, as such a
+#   wheel ships it; `freetoken --version` then goes to $OUT/version.txt.
 # test:    pytest -m gpu on that install (builds first if $FT_BUILD has no library).
 # bench:   benches/bench_gpu_experts.py, and llama-bench when FT_BENCH_MODEL names a GGUF.
 # bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
@@ -131,6 +133,8 @@ build() {
     nm -D --defined-only "$FT_BUILD/libfreetoken_cuda.so" | awk '{print $3}' | sort >"$OUT/exports.txt"
     log "exported symbols: $(tr '\n' ' ' <"$OUT/exports.txt")"
     install_wheel
+    # What the install reports (freetoken --version), the library next to the extension.
+    PYTHONPATH=$FT_SITE python3 -m freetoken --version 2>&1 | tee "$OUT/version.txt" >&2
 }
 
 # install_wheel [SITE [WHEEL]]: the main wheel (or WHEEL) and gguf into SITE ($FT_SITE).
@@ -142,13 +146,18 @@ install_wheel() {
     # The working tree's Python sources over the wheel's: a Python-only change needs no new
     # wheel (the extension module stays the wheel's). Another commit's wheel ("bare") keeps its
     # own, which match its extension module.
-    [ "${3:-}" = bare ] ||
+    [ "${3:-}" = bare ] || {
         (cd python && find freetoken -name '*.py' -exec cp --parents {} "$site/" \;)
+        # The GPU library where a wheel built with FREETOKEN_CUDA=1 has it: next to the
+        # extension, found by the loader as a user's install finds it.
+        if [ -f "$FT_BUILD/libfreetoken_cuda.so" ]; then
+            cp "$FT_BUILD/libfreetoken_cuda.so" "$site/freetoken/"
+        fi
+    }
 }
 
 env_for_tests() {
     export PYTHONPATH=$FT_SITE PYTHONUNBUFFERED=1
-    export FREETOKEN_CUDA_LIB=$FT_BUILD/libfreetoken_cuda.so
     export FREETOKEN_LLAMA_SRC=$DEV/llama.cpp
 }
 

@@ -450,7 +450,8 @@ impl Cuda {
             let got = abi();
             if got != ABI_VERSION {
                 return Err(format!(
-                    "{} speaks C ABI {got}, this build needs {ABI_VERSION}",
+                    "{} speaks C ABI {got}, this build needs {ABI_VERSION}: it is from another \
+                     build (rebuild it with this one: FREETOKEN_CUDA=1 pip install)",
                     path.display()
                 ));
             }
