@@ -8,17 +8,9 @@ export FREETOKEN_CACHE="${FREETOKEN_CACHE:-$HOME/.cache/freetoken}"
 export PIP_CACHE_DIR="$FREETOKEN_CACHE/pip"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-if ! command -v cmake >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq cmake >/dev/null
-    else
-        echo "cmake is required (apt-get install cmake)" >&2
-        exit 2
-    fi
-fi
-
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q -r requirements-dev.txt
+# The venv's bin holds cmake (requirements-dev.txt) for ggml's build: no system cmake needed.
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
