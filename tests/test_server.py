@@ -16,11 +16,8 @@ format in ``test_server_units.py``.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,81 +27,18 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-API_KEY = "test-key-123"
+from live_server import API_KEY, Server, live_server  # noqa: E402
+
 N_SLOTS = 8
 N_CTX = 1024
-HOST = "127.0.0.1"  # loopback only
-
-
-class Server:
-    """The subprocess and how to reach it."""
-
-    def __init__(self, proc: subprocess.Popen[str], port: int, log: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.log = log
-        self.base = f"http://{HOST}:{port}"
-
-    def client(self, **kw: Any) -> Any:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0, **kw)
-
-    def aclient(self) -> Any:
-        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=API_KEY, max_retries=0)
-
-    def raw(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        key: str | None = API_KEY,
-    ) -> tuple[int, Any]:
-        """One request with ``http.client``: the exact bytes, no client-side validation."""
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=60)
-        headers = {"Content-Type": "application/json"}
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        conn.request(method, path, body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        ctype = resp.getheader("Content-Type", "")
-        return resp.status, json.loads(data) if "json" in ctype else data.decode()
-
-    def health(self) -> dict[str, Any]:
-        return self.raw("GET", "/health", key=None)[1]
-
-    def metric(self, name: str) -> float:
-        text = self.raw("GET", "/metrics")[1]
-        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        assert m, f"{name} not in /metrics"
-        return float(m.group(1))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model: Path) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
-    cmd = [
-        sys.executable, "-m", "freetoken.server", "-m", str(default_model),
-        "--host", HOST, "--port", "0", "--api-key", API_KEY, "--alias", "gemma-test",
-        "--parallel", str(N_SLOTS), "-c", str(N_CTX), "-b", "128",
-    ]  # fmt: skip
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # blocks until the server listens (or dies)
-        m = re.search(r"http://[\d.]+:(\d+)", line)
-        if not m:
-            proc.wait(30)
-            pytest.fail(f"server did not start: {line!r}\n{log.read_text()[-3000:]}")
-        yield Server(proc, int(m.group(1)), log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    args = ["--alias", "gemma-test", "--parallel", str(N_SLOTS), "-c", str(N_CTX), "-b", "128"]
+    with live_server(default_model, log, args) as srv:
+        yield srv
 
 
 def _chat(server: Server, content: str, **kw: Any) -> Any:

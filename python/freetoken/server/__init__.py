@@ -34,6 +34,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-b", "--batch-size", type=int, default=256, help="prompt tokens evaluated per step"
     )
+    p.add_argument(
+        "-to",
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a client may take to send its body or to read one streamed event",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=1024,
+        help="requests running or waiting for a slot; beyond, 429 with Retry-After",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     engine_options.add_arguments(p)
 
@@ -130,6 +143,8 @@ def build_state(
     n_ctx: int | None = None,
     api_key: str | None = None,
     batch_tokens: int = 256,
+    timeout: float = 600.0,
+    max_concurrent: int = 1024,
 ) -> Any:
     """Wires a loaded :class:`freetoken.LLM` into a started scheduler and a
     :class:`~freetoken.server.app.ServerState` (stop it with ``state.scheduler.stop()``)."""
@@ -150,6 +165,7 @@ def build_state(
         n_ctx=n_ctx,
         vocab_size=llm.vocab_size,
         batch_tokens=batch_tokens,
+        max_waiting=max_concurrent - n_slots,
         hooks=metrics if llm.audit is None else _Audited(metrics, llm.audit),
     )
     template = getattr(llm.tokenizer, "chat_template", None)
@@ -161,6 +177,7 @@ def build_state(
         api_key=api_key or None,
         chat_template=template if isinstance(template, str) else None,
         created=int(time.time()),
+        timeout=timeout,
     )
     state = holder["state"] = ServerState(scheduler, llm.tokenizer, cfg, metrics)
     scheduler.start()
@@ -176,9 +193,17 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--parallel must be at least 1, got {args.parallel}")
     if args.batch_size < 1:
         raise InvalidInputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.max_concurrent_requests < args.parallel:
+        raise InvalidInputError(
+            f"--max-concurrent-requests ({args.max_concurrent_requests}) must be at least "
+            f"--parallel ({args.parallel})"
+        )
+    if not args.timeout > 0:
+        raise InvalidInputError(f"--timeout must be positive, got {args.timeout}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
     )
     llm = engine_options.load_llm(args)
     state = build_state(
@@ -188,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         n_ctx=llm.n_ctx,
         api_key=args.api_key,
         batch_tokens=args.batch_size,
+        timeout=args.timeout,
+        max_concurrent=args.max_concurrent_requests,
     )
 
     def ready(host: str, port: int) -> None:

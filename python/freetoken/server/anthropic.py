@@ -17,7 +17,7 @@ from aiohttp import web
 
 from freetoken.errors import RequestError
 from freetoken.server import protocol as P
-from freetoken.server.app import SSE_HEADERS, start_chat_job
+from freetoken.server.app import EventStream, open_stream, start_chat_job
 from freetoken.server.scheduler import Job
 from freetoken.server.toolcalls import OutputDelta, OutputParser, ToolCall
 
@@ -233,14 +233,14 @@ async def collect(job: Job, parser: OutputParser, model: str) -> dict[str, Any]:
 class _Events:
     """Anthropic's streaming events, with content blocks opened and closed as needed."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
-        self.resp = resp
+    def __init__(self, out: EventStream) -> None:
+        self.out = out
         self.index = -1
         self.open: str | None = None  # type of the open block
 
     async def send(self, event: str, data: dict[str, Any]) -> None:
         payload = json.dumps({"type": event, **data}, ensure_ascii=False, separators=(",", ":"))
-        await self.resp.write(f"event: {event}\ndata: {payload}\n\n".encode())
+        await self.out.write(f"event: {event}\ndata: {payload}\n\n".encode())
 
     async def close_block(self) -> None:
         if self.open is not None:
@@ -269,9 +269,9 @@ async def stream(
     request: web.Request, job: Job, parser: OutputParser, model: str
 ) -> web.StreamResponse:
     """Streams ``job`` as Anthropic SSE events."""
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
-    ev_out = _Events(resp)
+    out = await open_stream(request)
+    resp = out.resp
+    ev_out = _Events(out)
     msg = _message(_msg_id(), model)
     msg["usage"] = {"input_tokens": job.prompt_tokens, "output_tokens": 0}
     await ev_out.send("message_start", {"message": msg})

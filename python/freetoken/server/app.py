@@ -29,7 +29,7 @@ from freetoken.server.prompt import render_chat, starts_in_reasoning
 from freetoken.server.scheduler import GenerationRequest, Job, Scheduler, TokenLogprob
 from freetoken.server.toolcalls import OutputDelta, OutputParser
 
-__all__ = ["ServerConfig", "ServerState", "create_app", "serve"]
+__all__ = ["EventStream", "ServerConfig", "ServerState", "create_app", "open_stream", "serve"]
 
 log = logging.getLogger("freetoken.server")
 T = TypeVar("T")
@@ -76,6 +76,8 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None
     created: int = 0
+    timeout: float = 600.0
+    """Seconds a client may take to send its body, or to take one streamed event."""
 
 
 class ServerState:
@@ -146,9 +148,13 @@ def _as_request_error(e: BaseException) -> RequestError:
 
 
 def error_response(err: RequestError, anthropic: bool = False) -> web.Response:
-    """``err`` as an OpenAI error response (Anthropic's shape for its endpoint)."""
+    """``err`` as an OpenAI error response (Anthropic's shape for its endpoint); a 429 says
+    when to retry."""
     body = P.anthropic_error_body(err) if anthropic else P.error_body(err)
-    return web.json_response(body, status=err.status)
+    resp = web.json_response(body, status=err.status)
+    if err.status == 429:
+        resp.headers["Retry-After"] = "1"
+    return resp
 
 
 _HTTP_TYPES = {401: "authentication_error", 404: "not_found_error"}
@@ -214,30 +220,49 @@ BIG_BODY = 1 << 20
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    timeout = _state(request).cfg.timeout
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise RequestError(
+            f"the request body did not arrive within {timeout:g} s",
+            status=408,
+            code="request_timeout",
+        ) from None
     if len(raw) > BIG_BODY:
         return await _state(request).offload(P.parse_json_body, raw)
     return P.parse_json_body(raw)
 
 
-class _SSE:
-    """Writes ``data:`` events to a prepared stream response."""
+class EventStream:
+    """A prepared event-stream response. A client that takes none of an event's bytes within
+    the timeout is dropped like one that disconnected: the write raises ConnectionResetError,
+    and the handler's ``finally`` cancels the job, which frees its slot."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
-        self.resp = resp
+    def __init__(self, resp: web.StreamResponse, path: str, timeout: float) -> None:
+        self.resp, self._path, self._timeout = resp, path, timeout
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self.resp.write(data), self._timeout)
+        except TimeoutError:
+            log.info("%s: the client took nothing for %g s; dropped", self._path, self._timeout)
+            raise ConnectionResetError("the client stopped reading its stream") from None
 
     async def send(self, obj: dict[str, Any]) -> None:
+        """One OpenAI ``data:`` event."""
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        await self.resp.write(f"data: {data}\n\n".encode())
+        await self.write(f"data: {data}\n\n".encode())
 
     async def done(self) -> None:
-        await self.resp.write(b"data: [DONE]\n\n")
+        await self.write(b"data: [DONE]\n\n")
 
 
-async def _open_sse(request: web.Request) -> _SSE:
+async def open_stream(request: web.Request) -> EventStream:
+    """Starts the event-stream response of ``request``."""
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    return _SSE(resp)
+    return EventStream(resp, request.path, _state(request).cfg.timeout)
 
 
 # -- chat --------------------------------------------------------------------------------
@@ -266,8 +291,8 @@ async def start_chat_job(
         render_chat, st.tokenizer, st.cfg.chat_template, req.messages, req.tools, req.tool_choice
     )
     ids = await st.offload(st.tokenizer.encode, text, add_special=False, parse_special=True)
-    _check_fits(ids, st.cfg.n_ctx, "messages")
     s = req.sampling
+    _check_fits(ids, st.cfg.n_ctx, "messages", s)
     job = st.scheduler.submit(
         GenerationRequest(
             ids, s.max_tokens, s.params, s.stop, req.logprobs, s.ignore_eos, s.cache_prompt
@@ -315,7 +340,7 @@ async def _collect_chat(
 async def _stream_chat(
     request: web.Request, st: ServerState, job: Job, parser: OutputParser, req: P.ChatRequest
 ) -> web.StreamResponse:
-    sse = await _open_sse(request)
+    sse = await open_stream(request)
     rid, created, model = P.new_id("chatcmpl"), P.now(), st.cfg.alias
     with_lp = req.logprobs is not None
     n_calls, first = 0, True
@@ -377,8 +402,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = req.prompt
         _check_ids(ids, st.cfg.vocab_size, "prompt")
         prompt_text = await st.offload(st.tokenizer.decode, ids) if req.echo else ""
-    _check_fits(ids, st.cfg.n_ctx, "prompt")
     s = req.sampling
+    _check_fits(ids, st.cfg.n_ctx, "prompt", s)
     job = st.scheduler.submit(
         GenerationRequest(
             ids, s.max_tokens, s.params, s.stop, req.logprobs, s.ignore_eos, s.cache_prompt
@@ -407,7 +432,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _stream_completion(
     request: web.Request, st: ServerState, job: Job, req: P.CompletionRequest, echo: str
 ) -> web.StreamResponse:
-    sse = await _open_sse(request)
+    sse = await open_stream(request)
     rid, created, model = P.new_id("cmpl"), P.now(), st.cfg.alias
     offset = 0
     if echo:
@@ -440,12 +465,22 @@ async def _stream_completion(
 # -- small endpoints -----------------------------------------------------------------------
 
 
-def _check_fits(ids: list[int], n_ctx: int, param: str) -> None:
+def _check_fits(ids: list[int], n_ctx: int, param: str, sampling: P.SamplingFields) -> None:
+    """The prompt, and the prompt with a ``max_tokens`` the request set, must fit the context
+    (vLLM's rule; a default ``max_tokens`` stops at the context's end instead)."""
     if len(ids) >= n_ctx:
         raise RequestError(
             f"the prompt has {len(ids)} tokens; the context size per request is {n_ctx} "
             "(the prompt must leave room for at least one generated token)",
             param=param,
+            code="context_length_exceeded",
+        )
+    field, n = sampling.max_tokens_field, sampling.max_tokens
+    if field is not None and len(ids) + n > n_ctx:
+        raise RequestError(
+            f"the context size per request is {n_ctx} tokens; the request asks for "
+            f"{len(ids) + n} ({len(ids)} in the prompt, {n} to generate)",
+            param=field,
             code="context_length_exceeded",
         )
 

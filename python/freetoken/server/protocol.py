@@ -152,6 +152,8 @@ class SamplingFields:
     include_usage: bool
     ignore_eos: bool
     cache_prompt: bool = True
+    max_tokens_field: str | None = None
+    """The request field that set ``max_tokens``; None when it is the endpoint's default."""
 
 
 def _parse_sampling(body: dict[str, Any], n_ctx: int, default_max: int) -> SamplingFields:
@@ -232,6 +234,7 @@ def _parse_sampling(body: dict[str, Any], n_ctx: int, default_max: int) -> Sampl
         include_usage = _bool(opts, "include_usage")
     return SamplingFields(
         max_tokens=max_tokens,
+        max_tokens_field=name if body.get(name) is not None else None,
         params=params,
         stop=stops,
         stream=stream,

@@ -199,7 +199,8 @@ class Scheduler:
     """Runs generation jobs on an engine thread with continuous batching.
 
     ``n_slots`` KV caches of ``n_ctx`` tokens each are made up front, so memory is bounded;
-    at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting``).
+    at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting``; beyond,
+    submit answers 429).
     ``hooks`` receive the events the metrics count.
     """
 
@@ -272,7 +273,11 @@ class Scheduler:
                 )
             if len(self._pending) >= self.max_waiting:
                 raise RequestError(
-                    "too many requests waiting; retry later", status=503, err_type="server_error"
+                    f"too many requests: {len(self.slots)} running and {self.max_waiting} "
+                    "waiting; retry later",
+                    status=429,
+                    code="too_many_requests",
+                    err_type="rate_limit_error",
                 )
             self._pending.append(job)
             self._cond.notify_all()
