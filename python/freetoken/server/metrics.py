@@ -183,6 +183,12 @@ class ServerMetrics(SchedulerHooks):
             )
         )
         self.generated = r.add(Counter("freetoken_generation_tokens_total", "Tokens generated"))
+        self.started = r.add(
+            Counter(
+                "freetoken_requests_started_total",
+                "Generations accepted; each ends finished or cancelled",
+            )
+        )
         self.finished = r.add(
             Counter("freetoken_requests_finished_total", "Generations that ran to their end")
         )
@@ -240,6 +246,9 @@ class ServerMetrics(SchedulerHooks):
         return self.registry.render()
 
     # -- scheduler hooks (engine thread) -----------------------------------------------------
+
+    def on_submit(self) -> None:
+        self.started.inc()
 
     def on_admit(self, job: Job) -> None:
         self.prompt_tokens.inc(job.prompt_tokens)

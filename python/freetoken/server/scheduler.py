@@ -165,6 +165,9 @@ class Slot:
 class SchedulerHooks:
     """Callbacks the engine thread makes, for metrics; these do nothing."""
 
+    def on_submit(self) -> None:
+        """A job was accepted into the queue (the event loop's thread)."""
+
     def on_admit(self, job: Job) -> None:
         """A job got a slot (its prompt and cached token counts are set)."""
 
@@ -281,6 +284,7 @@ class Scheduler:
                 )
             self._pending.append(job)
             self._cond.notify_all()
+        self.hooks.on_submit()
         return job
 
     def cancel(self, job: Job) -> None:
@@ -318,7 +322,8 @@ class Scheduler:
     def _post(self, job: Job, ev: Event) -> None:
         if ev.finish_reason is not None or ev.error is not None:
             job.finished = True
-            job.t_end = time.perf_counter()
+            if job.t_end is None:
+                job.t_end = time.perf_counter()
         try:
             job.loop.call_soon_threadsafe(job.queue.put_nowait, ev)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -362,13 +367,13 @@ class Scheduler:
     def _reap(self) -> None:
         """Drops cancelled jobs (under the lock)."""
         for job in [j for j in self._pending if j.cancelled]:
+            self.hooks.on_cancel()
             self._pending.remove(job)
             job.finished = True
-            self.hooks.on_cancel()
         for job in [j for j in self._active if j.cancelled]:
+            self.hooks.on_cancel()
             self._release(job)
             job.finished = True
-            self.hooks.on_cancel()
 
     def _admit(self) -> None:
         """Moves waiting jobs into free slots, each into the one with the best prefix."""
@@ -532,6 +537,8 @@ class Scheduler:
         ev.finish_reason = reason
         job.stop_string = job._text.stop_string
         job._next = None
+        # Counted before the slot is seen free, so that an idle server's counts add up.
+        job.t_end = time.perf_counter()
+        self.hooks.on_finish(job)
         self._release(job)
         self._post(job, ev)
-        self.hooks.on_finish(job)
