@@ -1,6 +1,7 @@
 """Chat templates: ``tokenizer.chat_template`` rendered with jinja2 the way transformers does.
 
-The environment matches transformers' choices: a sandbox whose values are immutable,
+The environment matches transformers' choices: a sandbox whose values are immutable (bounded
+in loops, output and time as well: tokenizer/sandbox.py),
 ``trim_blocks`` and ``lstrip_blocks``, the loop-controls extension, a ``{% generation %}`` block
 (rendered as its body), a ``tojson`` filter that keeps non-ASCII text and takes ``indent``, and
 the ``raise_exception`` and ``strftime_now`` globals.
@@ -119,7 +120,8 @@ def _environment() -> jinja2.Environment:
     import jinja2
     import jinja2.ext
     from jinja2 import nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from freetoken.tokenizer.sandbox import LimitedEnvironment
 
     class GenerationBlock(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (marks assistant text for training
@@ -131,7 +133,7 @@ def _environment() -> jinja2.Environment:
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    env = ImmutableSandboxedEnvironment(
+    env = LimitedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationBlock, jinja2.ext.loopcontrols],
@@ -147,7 +149,7 @@ def _compile(template: str) -> jinja2.Template:
     import jinja2
 
     try:
-        return _environment().from_string(template)
+        return _environment().compile_limited(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise GGUFError(f"the chat template does not compile: {e} (line {e.lineno})") from None
 
@@ -170,9 +172,12 @@ def render_chat_template(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
             raise InvalidInputError(f"messages[{i}] must be a dict with a 'role'")
+    from freetoken.tokenizer.sandbox import render
+
     compiled = _compile(template)
     try:
-        return compiled.render(
+        return render(
+            compiled,
             messages=[dict(m) for m in messages],
             tools=list(tools) if tools is not None else None,
             documents=list(documents) if documents is not None else None,
@@ -181,5 +186,5 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise InvalidInputError(f"chat template: {e}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
         raise InvalidInputError(f"chat template failed on this conversation: {e}") from None
