@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README): installs what the tests need into .venv, builds the extension,
-# then runs the lints, cargo test and pytest. Downloads are cached under ~/.cache/freetoken.
+# then runs the lints, cargo test, pytest and the fuzz targets briefly. Downloads are cached
+# under ~/.cache/freetoken.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,8 +19,10 @@ maturin develop --release -q
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -q -- -D warnings
-ruff check python tests benches scripts tools
-ruff format --check python tests benches scripts tools
+ruff check python tests benches scripts tools fuzz
+ruff format --check python tests benches scripts tools fuzz
 
 cargo test --workspace -q
 pytest -q
+# Each fuzz target for a few seconds: a regression on a seed or a near mutation fails here.
+bash scripts/fuzz.sh 10

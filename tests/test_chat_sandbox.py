@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from freetoken.errors import InvalidInputError
+from freetoken.errors import FreeTokenError, InvalidInputError
 from freetoken.tokenizer import sandbox
 from freetoken.tokenizer.chat import render_chat_template
 
@@ -70,3 +70,9 @@ def test_the_bounds_leave_ordinary_templates_alone() -> None:
     )
     many = [{"role": "user", "content": f"m{i}"} for i in range(3)]
     assert render_chat_template(template, many) == "1/3 user: m0, 2/3 user: m1, 3/3 user: m2---1024"
+
+
+def test_a_template_nested_too_deeply_to_compile_is_refused() -> None:
+    # Found by fuzz/fuzz_python.py chat_template: the parser's recursion.
+    with pytest.raises(FreeTokenError, match="nests too deeply"):
+        render_chat_template("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", MESSAGES)

@@ -152,6 +152,8 @@ def _compile(template: str) -> jinja2.Template:
         return _environment().compile_limited(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise GGUFError(f"the chat template does not compile: {e} (line {e.lineno})") from None
+    except RecursionError:
+        raise GGUFError("the chat template does not compile: it nests too deeply") from None
 
 
 def render_chat_template(
