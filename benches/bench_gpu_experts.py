@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 from freetoken import quant
-from freetoken.engine import gpu
+from freetoken.runtime import gpu
 
 HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
 

@@ -22,10 +22,10 @@ import time
 import numpy as np
 import torch
 from freetoken.engine.bandwidth import group_layers
-from freetoken.engine.moe import run_experts
 from freetoken.engine.options import POLL_STEP_US
 from freetoken.gguf import GGUFFile
 from freetoken.models import load_model
+from freetoken.runtime.moe import run_experts
 
 EXPERTS = (1, 2, 4, 8)
 

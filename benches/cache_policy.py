@@ -28,7 +28,7 @@ import json
 import time
 
 import numpy as np
-from freetoken.engine.slots import SlotCache
+from freetoken.runtime.slots import SlotCache
 from freetoken.testmodel.routing import ZIPF_S, zipf_shares
 
 EXPERTS, TOP_K = 128, 8

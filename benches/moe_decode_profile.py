@@ -17,9 +17,9 @@ import time
 from collections import defaultdict
 
 import torch
-from freetoken.engine import moe
-from freetoken.engine.routing import route
 from freetoken.llm import LLM
+from freetoken.runtime import moe
+from freetoken.runtime.routing import route
 
 _TIMES: defaultdict[str, float] = defaultdict(float)
 

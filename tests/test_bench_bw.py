@@ -22,9 +22,9 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from freetoken import bandwidth
 from freetoken.cli import main
-from freetoken.engine import moe as engine_moe
+from freetoken.engine import bandwidth_profile as bandwidth
+from freetoken.runtime import moe as engine_moe
 from synthetic import build_models
 
 SECONDS = "0.15"
@@ -47,7 +47,7 @@ RATE_KEYS = {"nbytes", "seconds", "calls", "experts", "gbps"}
 
 def _gpu_ready() -> bool:
     import torch
-    from freetoken.engine import gpu
+    from freetoken.runtime import gpu
 
     return torch.cuda.is_available() and gpu.available()
 
@@ -396,10 +396,10 @@ def test_gpu_pools_hold_the_layers_experts(models: dict[str, Path]) -> None:
     if not _gpu_ready():
         pytest.skip("needs a CUDA GPU and libfreetoken_cuda")
     import torch
-    from freetoken.engine import gpu
     from freetoken.engine.bandwidth import GpuLoop, group_layers
     from freetoken.gguf import GGUFFile
     from freetoken.models import load_model
+    from freetoken.runtime import gpu
 
     model = load_model(GGUFFile(models["moe"]), None, 1)
     assert model.moe is not None

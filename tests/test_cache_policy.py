@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from freetoken.engine.slots import SlotCache
+from freetoken.runtime.slots import SlotCache
 from freetoken.testmodel.routing import zipf_shares
 
 EXPERTS, TOP_K, LAYERS = 128, 8, 4

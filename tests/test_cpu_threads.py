@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from freetoken import _core
-from freetoken.engine.moe import default_threads
 from freetoken.engine.options import POLL_STEP_US, EngineOptions
 from freetoken.errors import InvalidInputError
 from freetoken.llm import LLM
+from freetoken.runtime.moe import default_threads
 from synthetic import build_models
 
 

@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from freetoken import quant  # noqa: E402
-from freetoken.engine import gpu  # noqa: E402
 from freetoken.errors import InvalidInputError, ShapeError, UnsupportedError  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
 
 #: Every type with an MMVQ kernel in the pinned ggml-cuda (MMQ: all but IQ1_M).
 KERNEL_TYPES = [

@@ -16,9 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from freetoken.engine import gpu  # noqa: E402
 from freetoken.errors import InvalidInputError, ShapeError  # noqa: E402
 from freetoken.models.layers import rope_cos_sin  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -198,7 +198,7 @@ def test_attn_decode_takes_the_gpu_kv_cache(captured: bool) -> None:
     """The GPU's KV cache (values transposed) hands a decode step views the kernel takes, for
     an eager step (int position) and a captured one (positions on the GPU, fixed key count),
     and the kernel over them equals the float64 reference."""
-    from freetoken.engine.kv_cache import KVCache
+    from freetoken.runtime.kv_cache import KVCache
 
     cache = KVCache(2, 32, 2, 64, 48, device="cuda", v_transposed=True)
     g = torch.Generator().manual_seed(5)

@@ -25,10 +25,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from freetoken.engine import gpu  # noqa: E402
 from freetoken.engine.options import EngineOptions  # noqa: E402
-from freetoken.engine.sampler import SamplingParams  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
+from freetoken.runtime.sampler import SamplingParams  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 
@@ -379,7 +379,7 @@ def test_hybrid_cpu_layers(
     graph, and the outputs match the CPU's."""
     from freetoken.engine.cpu_layers import PIN_LIMIT_ENV
     from freetoken.engine.gpu_moe import ExpertLayer
-    from freetoken.engine.moe import MoeFFN
+    from freetoken.runtime.moe import MoeFFN
 
     path = model_files["qwen3moe"]
     seqs, refs = _cpu_runs(path)

@@ -1,12 +1,12 @@
 """When a decode step's set of sequences is captured as a CUDA graph
-(``engine/cuda_graph.py``): a set of several sequences runs eagerly until it has come
+(``runtime/cuda_graph.py``): a set of several sequences runs eagerly until it has come
 ``SETTLE_STEPS`` steps in a row, so a server whose requests come and go does not pay a capture
 (about three eager steps) for a set that lasts a step or two. (Capture and replay themselves
 are tested on the GPU: tests/test_gpu_models.py.)"""
 
 from __future__ import annotations
 
-from freetoken.engine.cuda_graph import SETTLE_STEPS, Settling
+from freetoken.runtime.cuda_graph import SETTLE_STEPS, Settling
 
 
 def test_a_set_settles_after_its_steps_in_a_row() -> None:

@@ -124,7 +124,7 @@ def _greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
 
 
 def test_server_slots_reuse_a_prefix_only_while_the_ring_holds_it(gemma3: Path) -> None:
-    from freetoken.engine.sampler import SamplingParams
+    from freetoken.runtime.sampler import SamplingParams
     from freetoken.server.scheduler import GenerationRequest, Scheduler
 
     llm = LLM(gemma3, n_ctx=64)

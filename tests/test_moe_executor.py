@@ -77,8 +77,6 @@ import numpy as np
 import pytest
 import torch
 from freetoken import _core, quant
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import Routing, route
 from freetoken.errors import (
     FreeTokenError,
     GGUFError,
@@ -87,6 +85,8 @@ from freetoken.errors import (
     UnsupportedError,
 )
 from freetoken.gguf import GGUFFile
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import Routing, route
 
 TOL = 2e-2
 TOL_Q8K = 3.5e-2

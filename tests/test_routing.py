@@ -1,4 +1,4 @@
-"""Tests of freetoken.engine.routing against a float64 numpy reference written here.
+"""Tests of freetoken.runtime.routing against a float64 numpy reference written here.
 
 The reference (`ref_route`) follows llama.cpp's ``build_moe_ffn`` (src/llama-graph.cpp of the
 pinned tree) from its definitions:
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from freetoken.engine.routing import GATING_FUNCS, Routing, route
 from freetoken.errors import FreeTokenError, InvalidInputError, ShapeError, UnsupportedError
+from freetoken.runtime.routing import GATING_FUNCS, Routing, route
 
 #: float32 softmax / sigmoid against float64: relative error of a few ulp.
 RTOL = 1e-5

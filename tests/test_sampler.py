@@ -1,4 +1,4 @@
-"""Tests of freetoken.engine.sampler against float64 numpy references written here.
+"""Tests of freetoken.runtime.sampler against float64 numpy references written here.
 
 The reference (`ref_probs`) follows llama.cpp's default chain from its definitions: penalties
 over the last repeat_last_n history tokens, then top-k, top-p (softmax of the survivors at
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import torch
-from freetoken.engine.sampler import Sampler, SamplingParams, log_softmax
 from freetoken.errors import InvalidInputError, ShapeError
+from freetoken.runtime.sampler import Sampler, SamplingParams, log_softmax
 
 # Everything off: a plain softmax at temperature 1.
 PLAIN = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)

@@ -10,13 +10,13 @@ from freetoken.errors import RequestError
 from freetoken.server.metrics import Counter, Histogram, Registry
 from freetoken.server.prompt import render_chat
 from freetoken.server.protocol import parse_chat, parse_completion, parse_json_body
-from freetoken.server.textstream import StopFilter, TextStream
 from freetoken.server.toolcalls import (
     OutputParser,
     ReasoningSplitter,
     ToolCallStream,
     parse_tool_calls,
 )
+from freetoken.tokenizer.textstream import StopFilter, TextStream
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 ARGS = {"city": "Paris", "unit": "C"}

@@ -1,4 +1,4 @@
-"""The GPU expert slot cache's bookkeeping (freetoken.engine.slots.SlotCache) against an
+"""The GPU expert slot cache's bookkeeping (freetoken.runtime.slots.SlotCache) against an
 independent LRU written here from the rule, and the pool plan's arithmetic (plan_pools)
 checked against sums computed here. No GPU needed."""
 
@@ -15,13 +15,13 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from freetoken.engine.slots import LayerSpec, SlotCache, SlotStats, Upload, plan_pools
 from freetoken.errors import (
     FileAccessError,
     InvalidInputError,
     ShapeError,
     UnsupportedError,
 )
+from freetoken.runtime.slots import LayerSpec, SlotCache, SlotStats, Upload, plan_pools
 
 MIB = 1 << 20
 MAX_BLOCKS = 2**31 - 1

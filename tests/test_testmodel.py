@@ -1378,7 +1378,7 @@ def _route_quarters(path: Path, n_experts: int) -> tuple[list[float], list[int]]
     """Per MoE layer, over 512 prompt tokens, as FreeToken's MoE counters saw them: the
     hottest quarter of the experts' share of the routes, and the hottest expert."""
     from freetoken.llm import LLM
-    from freetoken.profile import expert_profile
+    from freetoken.runtime.expert_profile import expert_profile
     from freetoken.testmodel.check import default_prompt
 
     llm = LLM(path, n_ctx=600)

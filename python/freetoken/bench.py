@@ -13,7 +13,6 @@ import statistics
 import sys
 import time
 
-from freetoken.engine import options as engine_options
 from freetoken.errors import InvalidInputError
 
 __all__ = ["run_bench"]
@@ -30,7 +29,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
         raise InvalidInputError("-r must be at least 1 and -p, -n non-negative")
-    llm = engine_options.load_llm(
+    from freetoken.llm import load_llm
+
+    llm = load_llm(
         args, n_ctx=max(args.n_prompt + args.n_gen + 1, 16), progress=args.output == "md"
     )
     rng = random.Random(1234)

@@ -18,7 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model path (default: the embedded Gemma 3 270M)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size (0: model's)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print more")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log placement, pools and per-step figures"
+    )
     engine_options.add_arguments(p)
 
 
@@ -49,7 +51,9 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _load(args: argparse.Namespace) -> object:
-    return engine_options.load_llm(args, verbose=args.verbose)
+    from freetoken.llm import load_llm
+
+    return load_llm(args)
 
 
 def _print_stats(llm: object) -> None:
@@ -199,10 +203,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: runs a subcommand; bad input prints one line and exits 2."""
     args = _build_parser().parse_args(argv)
-    logging.basicConfig(
-        format="freetoken: %(message)s",
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-    )
+    if args.command != "serve":  # the server configures its own logging
+        logging.basicConfig(format="freetoken: %(message)s", level=logging.WARNING)
+        verbose = getattr(args, "verbose", False)
+        logging.getLogger("freetoken").setLevel(logging.DEBUG if verbose else logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except FreeTokenError as e:

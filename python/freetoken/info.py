@@ -46,7 +46,7 @@ def _cpu_line() -> str:
 
 
 def _gpu_line() -> str:
-    from freetoken.engine import gpu
+    from freetoken.runtime import gpu
 
     st = gpu.status()
     if not st.available:

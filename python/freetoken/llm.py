@@ -3,6 +3,8 @@ drive."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import threading
 import time
@@ -17,20 +19,30 @@ from freetoken import _core
 from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
 from freetoken.engine.audit import ExpertAudit
-from freetoken.engine.kv_cache import KVCache
-from freetoken.engine.moe import default_threads
 from freetoken.engine.options import EngineOptions
-from freetoken.engine.sampler import Sampler, SamplingParams
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models import load_model
 from freetoken.progress import ProgressBar
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.moe import default_threads
+from freetoken.runtime.sampler import Sampler, SamplingParams
 from freetoken.tokenizer import Tokenizer
+from freetoken.tokenizer.textstream import StopFilter
 
-__all__ = ["LLM", "GenerationStats"]
+__all__ = ["LLM", "GenerationStats", "load_llm"]
 
 #: Tokens evaluated per forward pass while reading a prompt.
 PROMPT_CHUNK = 512
+
+log = logging.getLogger("freetoken")
+
+
+def _log_step(kind: str, n_tokens: int, t0: float) -> None:
+    """One forward pass's figures at DEBUG level (``-v``)."""
+    if log.isEnabledFor(logging.DEBUG):
+        ms = (time.perf_counter() - t0) * 1e3
+        log.debug("%s step: %d tokens, %.2f ms, %.1f t/s", kind, n_tokens, ms, n_tokens / ms * 1e3)
 
 
 @dataclass
@@ -53,43 +65,19 @@ class GenerationStats:
         return self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0
 
 
-class _StopFilter:
-    """Holds back text that may be the start of a stop string; reports when one appears."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, text: str) -> str:
-        self.pending += text
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0:
-                self.stopped = True
-                out, self.pending = self.pending[:i], ""
-                return out
-        keep = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
-        out = self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep :]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class LLM:
     """A loaded model with its tokenizer and one KV cache.
 
     ``model`` is a GGUF path, or None for the embedded default model. The engine keeps the
     tokens of the last request, so a following request that shares a prefix (a chat turn)
     evaluates only what is new.
+
+    Process-wide settings: loading sets torch's intra-op threads to 1 (``torch.set_num_threads``;
+    the Rust pools run the heavy products and torch's threads would only contend with them)
+    and, with ``n_threads`` or ``engine.poll``, sizes FreeToken's own CPU pool.
+    :meth:`close` (or leaving a ``with LLM(...)`` block) puts torch's thread count back.
+    Placement, pools and per-step figures are logged on the ``freetoken`` logger (INFO and
+    DEBUG); nothing is printed.
     """
 
     def __init__(
@@ -98,7 +86,6 @@ class LLM:
         *,
         n_ctx: int = 4096,
         n_threads: int | None = None,
-        verbose: bool = False,
         progress: bool = False,
         engine: EngineOptions | None = None,
     ) -> None:
@@ -109,9 +96,8 @@ class LLM:
         poll_us = engine.poll_us
         if n_threads is not None or poll_us is not None:
             _core.set_num_threads(n_threads or _core.num_threads(), poll_us)
-        # The Rust pool runs the heavy products; torch's own threads would only contend.
+        self._torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        self.verbose = verbose
         self.path = os.fspath(path)
         name = os.path.basename(self.path)
         reading = ProgressBar(f"reading {name}") if progress and not engine.mmap else None
@@ -140,6 +126,19 @@ class LLM:
         self._tokens: list[int] = []
         self._lock = threading.Lock()
         self.last_stats = GenerationStats()
+
+    def close(self) -> None:
+        """Puts torch's intra-op thread count back as it was before loading and drops the KV
+        cache. The model stays usable (at torch's thread count)."""
+        torch.set_num_threads(self._torch_threads)
+        self._cache = None
+        self._tokens = []
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def vocab_size(self) -> int:
@@ -187,7 +186,9 @@ class LLM:
         logits = torch.empty(0)
         for i in range(common, len(tokens), PROMPT_CHUNK):
             chunk = tokens[i : i + PROMPT_CHUNK]
+            t0 = time.perf_counter()
             logits = self.model.forward(chunk, self._cache)
+            _log_step("prompt", len(chunk), t0)
             self._tokens += chunk
         return logits
 
@@ -216,7 +217,9 @@ class LLM:
                 yield tok
                 if n + 1 == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
                     break
+                t2 = time.perf_counter()
                 logits = self.model.forward([tok], cache)
+                _log_step("decode", 1, t2)
                 self._tokens.append(tok)
                 stats.generated_tokens = n + 1
                 stats.generation_seconds = time.perf_counter() - t1
@@ -231,15 +234,14 @@ class LLM:
         self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]
     ) -> Iterator[str]:
         decoder = self.tokenizer.incremental_decoder()
-        stops = _StopFilter(stop)
+        stops = StopFilter(stop)
         for tok in self.stream_tokens(tokens, max_tokens, params):
             text = stops.feed(decoder.add(tok))
             if text:
                 yield text
             if stops.stopped:
                 return
-        tail = stops.feed(decoder.flush())
-        tail += "" if stops.stopped else stops.flush()
+        tail = stops.feed(decoder.flush()) + stops.flush()
         if tail:
             yield tail
 
@@ -278,3 +280,15 @@ class LLM:
         model's chat template; same options as :meth:`generate`."""
         tokens = self.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
         return self.generate(tokens, max_tokens=max_tokens, stream=stream, stop=stop, **sampling)
+
+
+def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """The model of the common flags (``-m``, ``-c``, ``-t`` and the engine flags), loaded
+    with a progress bar; ``overrides`` replace LLM arguments (``n_ctx``, ``progress``...)."""
+    kwargs: dict[str, Any] = dict(
+        n_ctx=args.ctx_size,
+        n_threads=args.threads,
+        progress=True,
+        engine=engine_options.from_args(args),
+    )
+    return LLM(args.model, **(kwargs | overrides))

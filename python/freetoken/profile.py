@@ -1,49 +1,15 @@
-"""``freetoken profile``: run prompts through a MoE model and write its expert-use profile,
-the per-layer routes per expert that the GPU expert cache is sized and seeded from.
-The format is documented in ``docs/expert-profile.md``."""
+"""``freetoken profile``: run prompts through a MoE model and write its expert-use profile
+(:mod:`freetoken.runtime.expert_profile`, docs/expert-profile.md)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
-from typing import Any
 
-from freetoken.engine import options as engine_options
-from freetoken.errors import InvalidInputError, UnsupportedError
+from freetoken.errors import InvalidInputError
+from freetoken.runtime.expert_profile import expert_profile, write_profile
 
-__all__ = ["FORMAT", "add_arguments", "expert_profile", "run"]
-
-FORMAT = "freetoken.expert-profile"
-VERSION = 1
-
-
-def expert_profile(llm: Any) -> dict[str, Any]:
-    """The profile of everything ``llm`` has computed so far (from the permanent counters)."""
-    moe = llm.model.moe
-    if moe is None:
-        raise UnsupportedError(f"{llm.path} is not a mixture-of-experts model")
-    cfg = llm.model.cfg
-    layers = []
-    for i, counts in enumerate(moe.collect().expert_counts()):
-        if counts:
-            layers.append({"layer": i, "routes": sum(counts), "counts": list(counts)})
-    top_k = cfg.n_experts_used
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": {
-            "file": os.path.basename(llm.path),
-            "name": llm.gguf.metadata.get("general.name", ""),
-            "architecture": cfg.arch,
-            "n_layers": cfg.n_layers,
-            "n_experts": cfg.n_experts,
-            "top_k": top_k,
-        },
-        "tokens": layers[0]["routes"] // top_k if layers and top_k else 0,
-        "layers": layers,
-    }
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,12 +27,14 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"cannot read --prompts {args.prompts}: {e.strerror}") from None
     if not prompts:
         raise InvalidInputError(f"{args.prompts} holds no prompts")
-    llm = engine_options.load_llm(args)
+    from freetoken.llm import load_llm
+
+    llm = load_llm(args)
     expert_profile(llm)  # fails early on a dense model
     for prompt in prompts:
         for _ in llm.generate(prompt, max_tokens=args.n_predict, stream=True, temperature=0):
             pass
     profile = expert_profile(llm)
-    Path(args.output).write_text(json.dumps(profile, indent=1) + "\n")
+    write_profile(profile, args.output)
     print(f"wrote {args.output}: {profile['tokens']} tokens, {len(profile['layers'])} MoE layers")
     return 0

@@ -1,1 +1,2 @@
-"""The engine: KV cache, sampling, and the generation loop behind ``freetoken.LLM``."""
+"""Where a model runs: the engine options, GPU placement and the expert strategies (gpu,
+offload, cpu, hybrid), the bandwidth figures that choose between them, and the expert audit."""

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from freetoken import _core
-from freetoken.engine import gpu
 from freetoken.engine.gpu_moe import ExpertLayer, gpu_servable, pin_host_memory
-from freetoken.engine.moe import MoeContext, MoeFFN, run_experts
 from freetoken.errors import FreeTokenError, InvalidInputError, UnsupportedError
 from freetoken.quant import type_info
+from freetoken.runtime import gpu
+from freetoken.runtime.moe import MoeContext, MoeFFN, run_experts
 
 if TYPE_CHECKING:
     from freetoken.models.transformer import Transformer
@@ -445,9 +445,9 @@ def measure_model(
     hybrid uses beside the GPU; mapped or read into memory, ``mmap``) and measures each layer
     kind for ``seconds`` per measurement: ``{"host_threads", "gpu": {available, name,
     detail}, "kinds": {kind key: entry}}``."""
-    from freetoken.engine.moe import default_threads
     from freetoken.gguf import GGUFFile
     from freetoken.models import load_model
+    from freetoken.runtime.moe import default_threads
 
     if not seconds > 0:
         raise InvalidInputError(f"--seconds must be positive, got {seconds}")

@@ -3,7 +3,7 @@
 Two ways to run a quantized dense weight (``--dense-weights``):
 
 - ``bf16``: dequantized once at load to bfloat16, products by cuBLAS with float32 output;
-- ``quant``: kept in its GGUF type in a one-slot :class:`~freetoken.engine.gpu.ExpertPool`
+- ``quant``: kept in its GGUF type in a one-slot :class:`~freetoken.runtime.gpu.ExpertPool`
   and run by ggml-cuda's MMVQ (up to 8 tokens) or MMQ, as llama.cpp runs it. Types without a
   GPU kernel fall back to bf16.
 
@@ -19,11 +19,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from freetoken.engine import gpu
 from freetoken.engine.options import DENSE_MODES
 from freetoken.errors import InvalidInputError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.quant import dequantize, type_info
+from freetoken.runtime import gpu
 
 __all__ = ["GpuEmbedding", "GpuHeadwise", "GpuLinear", "GpuLinearGroup"]
 

@@ -8,7 +8,7 @@ Strategies (``--moe-strategy``):
   on the device: nothing reads back to the host and decode steps can be captured as a graph.
 - ``offload``: pools smaller than the experts, filled on demand. A decode step (up to 8
   tokens) reads the layer's routes back, places them with the pool's LRU
-  (:class:`freetoken.engine.slots.SlotCache`), uploads the missed experts from host memory and
+  (:class:`freetoken.runtime.slots.SlotCache`), uploads the missed experts from host memory and
   launches on the slots. A prefill chunk (more tokens) streams whole expert layers into two
   staging buffers outside the pools instead, double-buffered on a copy stream: the upload of
   the next MoE layer overlaps the compute of this one.
@@ -21,22 +21,23 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from freetoken import _core
-from freetoken.engine import gpu
-from freetoken.engine.moe import MoeFFN
-from freetoken.engine.routing import Routing, route
-from freetoken.engine.slots import CachePlan, LayerSpec, SlotCache, Upload
 from freetoken.errors import InvalidInputError
+from freetoken.runtime import gpu
+from freetoken.runtime.moe import MoeFFN, run_experts
+from freetoken.runtime.routing import Routing, route
+from freetoken.runtime.slots import CachePlan, LayerSpec, SlotCache, Upload
 
 __all__ = [
     "ExpertLayer",
-    "GpuMoeFFN",
+    "GpuExperts",
+    "HostExperts",
     "OffloadExperts",
     "PinnedExperts",
     "ResidentExperts",
@@ -207,7 +208,7 @@ def _pools(
 
 
 class _PlannedPools:
-    """The slot pools of a :class:`~freetoken.engine.slots.CachePlan`, each with its LRU
+    """The slot pools of a :class:`~freetoken.runtime.slots.CachePlan`, each with its LRU
     bookkeeping, seeded with the plan's residents; ``extra_slots`` zeroed slots follow each
     pool's own (the bookkeeping never gives them out)."""
 
@@ -395,27 +396,21 @@ class OffloadExperts(_PlannedPools):
         return out
 
 
-class GpuMoeFFN:
-    """A MoE feed-forward whose routing runs in torch on the GPU and whose experts run on
-    ``experts`` (resident or offloaded pools); the shared expert, if any, in torch."""
+class GpuExperts:
+    """The expert backend of a MoE layer on the GPU: routing in torch (one fused kernel where
+    it applies) and the routed experts on ``experts`` (resident, offloaded or hybrid pools).
+    Routes per expert are counted on the device (capturable) and flushed into the engine's
+    counters when read (``MoeContext.collect``)."""
 
     def __init__(
         self,
         ex: ExpertLayer,
         routing: Routing,
-        router: Callable[[torch.Tensor], torch.Tensor],
         experts: ResidentExperts | OffloadExperts,
-        shared: Callable[[torch.Tensor], torch.Tensor] | None,
         selection_bias: torch.Tensor | None,
     ) -> None:
         self.ex = ex
-        self.routing = routing
-        self.router = router
         self.experts = experts
-        self.shared = shared
-        self.selection_bias = selection_bias
-        # Routes per expert, counted on the device (capturable) and flushed into the
-        # engine's counters when read (MoeContext.collect).
         self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
         self.fused_routing = (
             routing.softmax_top_k
@@ -430,30 +425,39 @@ class GpuMoeFFN:
         self.counts.zero_()
         counters.add_expert_counts(self.ex.index, counts)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        logits = self.router(x)
-        r = self.routing
+    def route(
+        self, logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused_routing and logits.dtype == torch.float32:
             # Top-k, weights and route counts in one kernel.
-            ids, weights = gpu.topk_softmax(logits, r.top_k, r.weight_scale, self.counts)
-        else:
-            ids, weights = route(logits, r, self.selection_bias)
-            flat = ids.view(-1)
-            ones = gpu.constant(flat.numel(), 1, torch.int64, flat.device)
-            self.counts.index_add_(0, flat, ones)
-        out = self.experts.launch(self.ex, x, ids, weights)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+            return gpu.topk_softmax(logits, routing.top_k, routing.weight_scale, self.counts)
+        ids, weights = route(logits, routing, selection_bias)
+        flat = ids.view(-1)
+        ones = gpu.constant(flat.numel(), 1, torch.int64, flat.device)
+        self.counts.index_add_(0, flat, ones)
+        return ids, weights
+
+    def run(
+        self, layer: _core.MoeLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return self.experts.launch(self.ex, x, ids, weights)
 
 
-class CpuMoeFFN:
-    """A MoE feed-forward left on the CPU executor in a GPU model: activations go to the
-    host and back (no graph capture for such models)."""
+class HostExperts:
+    """The expert backend of a MoE layer that the GPU does not serve, in a model on the GPU:
+    routing on the device, the routed experts on the CPU executor, activations to the host
+    and back (no graph capture for such models)."""
 
-    def __init__(self, cpu: MoeFFN) -> None:
-        self.cpu = cpu
+    def __init__(self, executor: _core.MoeExecutor) -> None:
+        self.executor = executor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cpu(x.cpu()).to(x.device)
+    def route(
+        self, logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, routing, selection_bias)
+
+    def run(
+        self, layer: _core.MoeLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = run_experts(self.executor, layer, x.cpu(), ids.cpu(), weights.cpu())
+        return out.to(x.device)

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from freetoken import _core
-from freetoken.engine import gpu
 from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
@@ -42,9 +41,10 @@ from freetoken.engine.gpu_moe import (
     clear_last_cuda_error,
     unregister_host_memory,
 )
-from freetoken.engine.moe import run_experts
-from freetoken.engine.slots import CachePlan, SlotCache, Upload
 from freetoken.errors import DeviceError, FreeTokenError, ShapeError
+from freetoken.runtime import gpu
+from freetoken.runtime.moe import run_experts
+from freetoken.runtime.slots import CachePlan, SlotCache, Upload
 
 __all__ = ["HybridExperts", "HybridStats", "MappedHost"]
 
@@ -146,8 +146,9 @@ class HybridExperts(OffloadExperts):
     ``cpu_only`` layers have no slots: every route of theirs goes through the hand-off to the
     CPU (``--moe-cpu-layers``, and experts the GPU kernels cannot serve), so steps stay
     graphs. ``policy`` is the slots' (``lru`` fills free slots only; ``adaptive`` also
-    swaps); ``bandwidth`` a :class:`freetoken.bandwidth.KindBandwidth` for the prefill
-    decision, or None; ``pinned`` the layers' page-locked bytes when the caller pinned them."""
+    swaps); ``bandwidth`` a :class:`~freetoken.engine.bandwidth_profile.KindBandwidth` for the
+    prefill decision, or None; ``pinned`` the layers' page-locked bytes when the caller pinned
+    them."""
 
     def __init__(
         self,

@@ -1,5 +1,6 @@
 """Where a model runs: the engine flags shared by ``generate``, ``bench``, ``serve`` and
-``profile``, and :func:`apply` that acts on them after loading."""
+``profile``, and :func:`apply` that acts on them after loading (``freetoken.llm.load_llm``
+loads a model with them)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import argparse
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from freetoken.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from freetoken.engine.placement import Placement
-    from freetoken.llm import LLM
     from freetoken.models.transformer import Transformer
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "add_arguments",
     "apply",
     "from_args",
-    "load_llm",
+    "use_gpu",
 ]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,7 +53,7 @@ class EngineOptions:
     ``per-layer`` pools, and an expert-use profile (``freetoken profile``) to size and seed
     them; ``moe_cache_adaptive`` evicts by aged route counts instead of recency.
     ``moe_cpu_threads``: the CPU expert executor's threads (default: ``-t``);
-    ``moe_cpu_precise``: its activations quantized in two passes (engine/moe.py,
+    ``moe_cpu_precise``: its activations quantized in two passes (runtime/moe.py,
     ``default_executor``). ``poll``: llama.cpp's ``--poll`` level, 0-100: idle CPU workers
     poll for the next job ``poll`` x 20 µs before they sleep (None: 100 µs).
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
@@ -63,7 +63,7 @@ class EngineOptions:
     huge-page-backed memory (freetoken.gguf.GGUFFile).
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
-    see (engine/kv_cache.py)."""
+    see (runtime/kv_cache.py)."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -192,17 +192,6 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
     )
 
 
-def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
-    """The model of the common flags (``-m``, ``-c``, ``-t`` and the engine flags), loaded
-    with a progress bar; ``overrides`` replace LLM arguments (``n_ctx``, ``verbose``...)."""
-    from freetoken.llm import LLM
-
-    kwargs: dict[str, Any] = dict(
-        n_ctx=args.ctx_size, n_threads=args.threads, progress=True, engine=from_args(args)
-    )
-    return LLM(args.model, **(kwargs | overrides))
-
-
 def use_gpu(opts: EngineOptions) -> bool:
     """Whether the model goes to the GPU (``auto``: when torch and libfreetoken_cuda see
     one; otherwise FreeToken runs CPU-only and says why in one line, once)."""
@@ -210,7 +199,7 @@ def use_gpu(opts: EngineOptions) -> bool:
         return False
     import torch
 
-    from freetoken.engine import gpu
+    from freetoken.runtime import gpu
 
     ready = gpu.available() and torch.cuda.is_available()
     if opts.device == "cuda" and not ready:
@@ -226,7 +215,7 @@ def use_gpu(opts: EngineOptions) -> bool:
 def _note_cpu_only() -> None:
     import torch
 
-    from freetoken.engine import gpu
+    from freetoken.runtime import gpu
 
     line, detail = gpu.cpu_only_notice(gpu.status(), torch.cuda.is_available())
     _log.warning(line)

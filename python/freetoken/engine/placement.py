@@ -1,27 +1,27 @@
 """Moving a loaded model onto the GPU (``--moe-strategy gpu|offload|hybrid|cpu``).
 
-Dense weights become :mod:`freetoken.engine.gpu_layers` layers, vectors move as they are, MoE
-feed-forwards become :class:`~freetoken.engine.gpu_moe.GpuMoeFFN` over resident or offloaded
-slot pools, and when no layer needs the host during a step, decode steps are replayed as CUDA
-graphs (:mod:`freetoken.engine.cuda_graph`). The model object is changed in place: the same
-``Transformer`` code then runs on the device. MoE layers left without slots (``cpu``, or
-experts no GPU kernel serves) are computed by the CPU executor through hybrid's hand-off, so
-their steps are graphs too.
+Dense weights become :mod:`freetoken.engine.gpu_layers` layers and vectors move as they are,
+wherever the model's parts hold them (attributes, lists, tuples, dicts; placement fails if any
+stays on the host). Each MoE feed-forward keeps its class and is given an expert backend:
+:class:`~freetoken.engine.gpu_moe.GpuExperts` over resident, offloaded or hybrid slot pools,
+or :class:`~freetoken.engine.gpu_moe.HostExperts` (the CPU executor) for layers the pools do
+not serve. When no layer needs the host during a step, decode steps are replayed as CUDA
+graphs (:mod:`freetoken.runtime.cuda_graph`). The same ``Transformer`` code then runs on the
+device. MoE layers left without slots (``cpu``, or experts no GPU kernel serves) are computed
+by the CPU executor through hybrid's hand-off where one hand-off serves them all, so their
+steps are graphs too.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from freetoken.engine import gpu
 from freetoken.engine.cpu_layers import parse_cpu_layers, pin_budget, split_for_pinning
-from freetoken.engine.cuda_graph import GraphDecoder
 from freetoken.engine.gpu_layers import (
     GpuEmbedding,
     GpuHeadwise,
@@ -29,23 +29,27 @@ from freetoken.engine.gpu_layers import (
     GpuLinearGroup,
 )
 from freetoken.engine.gpu_moe import (
-    CpuMoeFFN,
     ExpertLayer,
-    GpuMoeFFN,
+    GpuExperts,
+    HostExperts,
     OffloadExperts,
     PinnedExperts,
     ResidentExperts,
     gpu_servable,
 )
 from freetoken.engine.hybrid import HybridExperts
-from freetoken.engine.moe import MoeFFN
 from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
-from freetoken.engine.slots import CachePlan, plan_pools
 from freetoken.errors import InvalidInputError, UnsupportedError
-from freetoken.models.layers import HeadwiseLinear, Linear
+from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
+from freetoken.runtime import gpu
+from freetoken.runtime.cuda_graph import GraphDecoder
+from freetoken.runtime.moe import MoeContext, MoeFFN
+from freetoken.runtime.slots import CachePlan, plan_pools
 
 __all__ = ["Placement", "place_on_gpu"]
+
+log = logging.getLogger("freetoken")
 
 #: Device memory kept free for activations, cuBLAS and ggml-cuda scratch.
 WORKSPACE_BYTES = 1 << 30
@@ -98,11 +102,15 @@ def _is_model_part(obj: object) -> bool:
 
 
 class _Mover:
-    """Walks the model's objects, replacing what has a GPU form."""
+    """Moves what the model's parts hold to the device, through lists, tuples and dicts:
+    tensors as they are, dense layers as GPU layers. MoE feed-forwards are not entered but
+    collected in ``moe`` (their router, shared experts and backend are placed once the expert
+    pools are known)."""
 
-    def __init__(self, device: torch.device, dense: str, moe: Callable[[MoeFFN], Any]) -> None:
-        self.device, self.dense, self.moe = device, dense, moe
+    def __init__(self, device: torch.device, dense: str) -> None:
+        self.device, self.dense = device, dense
         self.dense_bytes = 0
+        self.moe: list[MoeFFN] = []
 
     def __call__(self, val: Any) -> Any:
         if isinstance(val, torch.Tensor):
@@ -115,14 +123,43 @@ class _Mover:
         if isinstance(val, HeadwiseLinear):
             return GpuHeadwise(val, self.device)
         if isinstance(val, MoeFFN):
-            return self.moe(val)
+            self.moe.append(val)
+            return val
         if isinstance(val, list):
             return [self(v) for v in val]
+        if isinstance(val, tuple):
+            return type(val)(*map(self, val)) if hasattr(val, "_fields") else tuple(map(self, val))
+        if isinstance(val, dict):
+            return {k: self(v) for k, v in val.items()}
         if _is_model_part(val):
             for name, v in vars(val).items():
-                setattr(val, name, self(v))
+                moved = self(v)
+                if moved is not v:
+                    setattr(val, name, moved)
             _fuse(val)
         return val
+
+
+def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
+    """Where the model still holds host tensors or CPU layers after placement."""
+    if id(val) in seen:
+        return []
+    seen.add(id(val))
+    if isinstance(val, torch.Tensor):
+        return [where] if val.device.type == "cpu" else []
+    if isinstance(val, (Linear, HeadwiseLinear, Embedding)):
+        return [where]
+    if isinstance(val, (list, tuple)):
+        return [w for i, v in enumerate(val) for w in _left_on_host(v, f"{where}[{i}]", seen)]
+    if isinstance(val, dict):
+        return [w for k, v in val.items() for w in _left_on_host(v, f"{where}[{k!r}]", seen)]
+    if isinstance(val, MoeFFN):
+        parts = {"router": val.router, "shared": val.shared, "selection_bias": val.selection_bias}
+    elif _is_model_part(val):
+        parts = vars(val)
+    else:
+        return []
+    return [w for n, v in parts.items() for w in _left_on_host(v, f"{where}.{n}", seen)]
 
 
 def _fuse(obj: object) -> None:
@@ -149,14 +186,14 @@ def place_on_gpu(
     cache_policy: str = "lru",
     cpu_layers: str | None = None,
     device: torch.device | str | None = None,
-    log: Callable[[str], None] | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
-    (:mod:`freetoken.engine.cpu_layers`). Returns what it did."""
+    (:mod:`freetoken.engine.cpu_layers`). Logs what it did (the placement, the pools) on the
+    ``freetoken`` logger at INFO level and returns it."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
@@ -167,7 +204,6 @@ def place_on_gpu(
     dev = torch.device(device or "cuda")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    log = log or (lambda msg: print(msg, file=sys.stderr))
     layers = _expert_layers(model)
     wanted = parse_cpu_layers(cpu_layers, [ex.index for ex in layers])
     servable = [
@@ -179,7 +215,7 @@ def place_on_gpu(
 
     # Dense parts first (MoE feed-forwards are left for below): what they take decides what
     # is left for the experts.
-    mover = _Mover(dev, dense, lambda ffn: ffn)
+    mover = _Mover(dev, dense)
     model.blocks = mover(model.blocks)
     model.output_norm = mover(model.output_norm)
     if model.rope_factors is not None:
@@ -210,22 +246,11 @@ def place_on_gpu(
     else:
         on_gpu = {}
     place.cpu_layers = [ex.index for ex in layers if ex.index not in on_gpu]
-    for blk in model.blocks:
-        ffn = blk.ffn
-        if not isinstance(ffn, MoeFFN):
-            continue
-        ex = on_gpu.get(ffn.layer.index)
-        if experts is not None and ex is not None:
-            shared = mover(ffn.shared) if ffn.shared is not None else None
-            bias = mover(ffn.selection_bias) if ffn.selection_bias is not None else None
-            router = GpuLinear(ffn.router, dev, dense, keep_f32=True)  # type: ignore[arg-type]
-            gffn = blk.ffn = GpuMoeFFN(ex, ffn.routing, router, experts, shared, bias)
-            if model.moe is not None:
-                model.moe.collectors.append(
-                    functools.partial(gffn.flush_counts, model.moe.counters)
-                )
-        else:
-            blk.ffn = CpuMoeFFN(ffn)
+    for ffn in mover.moe:
+        _place_moe(ffn, mover, on_gpu.get(ffn.layer.index), experts, model.moe)
+    left = _left_on_host(model, "model", set())
+    if left:
+        raise UnsupportedError(f"placement left model parts on the host: {', '.join(left)}")
     model.device = dev
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
@@ -234,8 +259,31 @@ def place_on_gpu(
         not layers or isinstance(experts, (ResidentExperts, HybridExperts))
     )
     model.graphs = GraphDecoder(model) if place.graphs else None
-    log(place.describe())
+    log.info("%s", place.describe())
     return place
+
+
+def _place_moe(
+    ffn: MoeFFN,
+    mover: _Mover,
+    ex: ExpertLayer | None,
+    experts: ResidentExperts | OffloadExperts | HybridExperts | None,
+    moe: MoeContext | None,
+) -> None:
+    """Moves a MoE feed-forward's router, shared experts and selection bias to the device and
+    gives it its expert backend: the pools when they serve the layer, else the CPU executor."""
+    if ffn.shared is not None:
+        ffn.shared = mover(ffn.shared)
+    if ffn.selection_bias is not None:
+        ffn.selection_bias = mover(ffn.selection_bias)
+    ffn.router = GpuLinear(ffn.router, mover.device, mover.dense, keep_f32=True)  # type: ignore[arg-type]
+    if experts is not None and ex is not None:
+        backend = GpuExperts(ex, ffn.routing, experts, ffn.selection_bias)
+        ffn.backend = backend
+        if moe is not None:
+            moe.collectors.append(functools.partial(backend.flush_counts, moe.counters))
+    else:
+        ffn.backend = HostExperts(ffn.backend.executor)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -330,7 +378,7 @@ def _experts(
     plan = plan_for(layers)
     bw = None
     if strategy in ("auto", "hybrid") and not plan.all_resident:
-        from freetoken.bandwidth import load_bandwidth_profile
+        from freetoken.engine.bandwidth_profile import load_bandwidth_profile
 
         profile = load_bandwidth_profile(model)
         bw = profile.for_layer(layers[0]) if profile is not None else None

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from types import ModuleType
 
 from freetoken import _core
-from freetoken.engine.moe import MoeContext, default_executor
 from freetoken.errors import UnsupportedError
 from freetoken.gguf import GGUFFile
 from freetoken.models import (
@@ -23,6 +22,7 @@ from freetoken.models import (
 )
 from freetoken.models.config import ModelConfig
 from freetoken.models.transformer import Transformer
+from freetoken.runtime.moe import MoeContext, default_executor
 
 __all__ = ["FAMILIES", "ModelConfig", "Transformer", "load_model"]
 

@@ -8,11 +8,11 @@ routed scaling factor, plus shared experts. See
 
 from __future__ import annotations
 
-from freetoken.engine.moe import MoeContext
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.glm4moe import moe_ffn
 from freetoken.models.transformer import FFN, DenseFFN, Features, FFNFactory
+from freetoken.runtime.moe import MoeContext
 
 FEATURES = Features(rope_neox=False, mla=True, yarn_log_mul=True)
 

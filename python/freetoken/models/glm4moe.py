@@ -7,13 +7,13 @@ routed scaling factor, plus a shared expert. Trailing next-token-prediction laye
 
 from __future__ import annotations
 
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import GATING_FUNCS, Routing
 from freetoken.errors import UnsupportedError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import Linear, load_vector
 from freetoken.models.transformer import FFN, DenseFFN, Features, FFNFactory
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import GATING_FUNCS, Routing
 
 FEATURES = Features(rope_neox=True, ffn_norm="post_attention_norm", optional_qk_norm=True)
 

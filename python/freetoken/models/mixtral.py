@@ -6,13 +6,13 @@ stacked (``ffn_{gate,up,down}_exps``) or, in older files, one tensor per expert
 
 from __future__ import annotations
 
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import Routing
 from freetoken.errors import GGUFError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import Linear
 from freetoken.models.transformer import FFN, FFNFactory
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import Routing
 
 
 def expert_names(gguf: GGUFFile, cfg: ModelConfig, i: int) -> dict[str, list[str]]:

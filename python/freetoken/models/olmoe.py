@@ -7,12 +7,12 @@ asks for it)."""
 
 from __future__ import annotations
 
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import Routing
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import Linear
 from freetoken.models.transformer import FFN, Features, FFNFactory
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import Routing
 
 FEATURES = Features(rope_neox=True, qk_norm_full=True)
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import Routing
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import Linear, load_vector
 from freetoken.models.transformer import FFN, DenseFFN, Features, FFNFactory
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import Routing
 
 FEATURES = Features(rope_neox=True)
 

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from freetoken.engine import gpu
-from freetoken.engine.cuda_graph import MAX_BATCH, GraphDecoder
-from freetoken.engine.kv_cache import KVCache
-from freetoken.engine.moe import MoeContext
 from freetoken.errors import GGUFError, InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
@@ -32,6 +28,11 @@ from freetoken.models.layers import (
     rope_cos_sin,
     rotate,
 )
+from freetoken.runtime import gpu
+from freetoken.runtime.cuda_graph import MAX_BATCH, GraphDecoder
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.moe import MoeContext
+from freetoken.runtime.step import Span, Step
 
 __all__ = ["DenseFFN", "Features", "MLAShape", "Span", "Step", "Transformer"]
 
@@ -74,41 +75,6 @@ class Features:
     mla: bool = False
     #: Read ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 does.
     yarn_log_mul: bool = False
-
-
-@dataclass
-class Span:
-    """One sequence's rows of a batch: ``n`` tokens from position ``start`` in ``cache``.
-    In a captured decode step ``start`` is a tensor of the rows' positions and ``n_keys``
-    the fixed number of cached positions attention reads (the rest masked)."""
-
-    start: int | torch.Tensor
-    n: int
-    cache: KVCache
-    n_keys: int | None = None
-
-    def store(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the rows' keys and values; returns the keys and values attention reads."""
-        return self.cache.store(layer, self.start, k, v, self.n_keys)
-
-    def first_key(self, layer: int) -> int:
-        """The position of the first key :meth:`store` returned."""
-        return (
-            0 if isinstance(self.start, torch.Tensor) else self.cache.first_key(layer, self.start)
-        )
-
-
-@dataclass
-class Step:
-    """What the layers of one forward pass share: the rows' positions (on the model's
-    device), the sequences, and the RoPE tables and attention masks made so far."""
-
-    pos: torch.Tensor
-    spans: list[Span]
-    rope: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    masks: dict[tuple[Any, ...], torch.Tensor | None] = field(default_factory=dict)
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -498,7 +464,7 @@ class Transformer:
         v = v.view(t, cfg.n_kv_heads, cfg.head_dim_v)
         head_norm = blk.q_norm is not None and not self.feat.qk_norm_full
         if q.is_cuda and q.dtype == torch.float32 and self._whole_neox(q, cfg.rope_dim):
-            # One kernel each for q and k: the head norm and the rotation (engine/gpu.py).
+            # One kernel each for q and k: the head norm and the rotation (runtime/gpu.py).
             cos, sin = self._rope_tables(q, step, blk, cfg.rope_dim, whole=True)
             qn, kn = (blk.q_norm, blk.k_norm) if head_norm else (None, None)
             q = gpu.norm_rope(q, qn, cos, sin, cfg.norm_eps)

@@ -205,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-    llm = engine_options.load_llm(args)
+    from freetoken.llm import load_llm
+
+    llm = load_llm(args)
     state = build_state(
         llm,
         alias=args.alias,

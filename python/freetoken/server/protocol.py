@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.engine.sampler import SamplingParams
 from freetoken.errors import FreeTokenError, RequestError
+from freetoken.runtime.sampler import SamplingParams
 from freetoken.server.scheduler import Job, TokenLogprob
 from freetoken.server.toolcalls import ToolCall
 

@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 import torch
 
-from freetoken.engine.kv_cache import KVCache
-from freetoken.engine.sampler import Sampler, SamplingParams
 from freetoken.errors import FreeTokenError, RequestError
-from freetoken.server.textstream import TextStream
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.sampler import Sampler, SamplingParams
+from freetoken.tokenizer.textstream import TextStream
 
 __all__ = [
     "EngineModel",

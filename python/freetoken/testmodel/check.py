@@ -62,7 +62,7 @@ def _llama_ref_module() -> ModuleType:
 def _logits_freetoken(path: str, tokens: list[int]) -> np.ndarray:
     from freetoken.llm import LLM
 
-    llm = LLM(path, n_ctx=max(len(tokens) + 1, 64), verbose=False)
+    llm = LLM(path, n_ctx=max(len(tokens) + 1, 64))
     return llm.logits(tokens).detach().to("cpu").float().numpy()
 
 

@@ -28,25 +28,20 @@ never names one slot twice (the guard ggml-cuda's MMQ needs).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from freetoken import _core
 from freetoken.errors import (
-    FileAccessError,
     InvalidInputError,
     ShapeError,
-    UnsupportedError,
 )
-from freetoken.profile import FORMAT as PROFILE_FORMAT
-from freetoken.profile import VERSION as PROFILE_VERSION
 from freetoken.quant import QType, type_info
+from freetoken.runtime.expert_profile import load_profile
 
 __all__ = [
     "POLICIES",
@@ -353,82 +348,6 @@ class CachePlan:
             if layer in p.layers:
                 return i
         raise InvalidInputError(f"layer {layer} is not served by any pool")
-
-
-def _read_profile(profile: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Any, str]:
-    if isinstance(profile, Mapping):
-        return profile, "the profile"
-    path = Path(profile)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise FileAccessError(f"cannot read the profile {path}: {e.strerror}") from None
-    try:
-        return json.loads(text), str(path)
-    except json.JSONDecodeError as e:
-        raise InvalidInputError(f"{path} is not JSON: {e}") from None
-
-
-def _count_list(value: Any, n: int, where: str) -> list[int]:
-    ok = isinstance(value, list) and all(
-        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value
-    )
-    if not ok:
-        raise InvalidInputError(f"{where}: counts must be a list of non-negative integers")
-    if len(value) != n:
-        raise InvalidInputError(f"{where}: {len(value)} counts for {n} experts")
-    return value
-
-
-def load_profile(
-    profile: Mapping[str, Any] | str | os.PathLike[str],
-    layers: Sequence[LayerSpec],
-    *,
-    architecture: str | None = None,
-    n_layers: int | None = None,
-) -> dict[int, list[int]]:
-    """Reads and checks an expert-use profile (docs/expert-profile.md: the parsed JSON or a
-    path) against the model: its format and version, and its model's ``n_experts`` and
-    ``top_k`` (from ``layers``), ``architecture`` and ``n_layers`` when given; every profiled
-    layer must be one of ``layers``. Returns the counts by layer."""
-    doc, src = _read_profile(profile)
-    if not isinstance(doc, Mapping) or doc.get("format") != PROFILE_FORMAT:
-        got = doc.get("format") if isinstance(doc, Mapping) else type(doc).__name__
-        raise InvalidInputError(f"{src} is not an expert-use profile ({PROFILE_FORMAT!r}): {got!r}")
-    if doc.get("version") != PROFILE_VERSION:
-        raise UnsupportedError(
-            f"{src} has profile version {doc.get('version')!r}; this build reads version "
-            f"{PROFILE_VERSION}"
-        )
-    model = doc.get("model")
-    if not isinstance(model, Mapping):
-        raise InvalidInputError(f"{src} has no model description")
-    by_layer = {s.layer: s for s in layers}
-    want: dict[str, Any] = {"architecture": architecture, "n_layers": n_layers}
-    if layers:
-        want |= {"n_experts": layers[0].n_experts, "top_k": layers[0].top_k}
-    for key, value in want.items():
-        if value is not None and model.get(key) != value:
-            raise InvalidInputError(
-                f"{src} was made on another model: its {key} is {model.get(key)!r}, this "
-                f"model's is {value!r}"
-            )
-    entries = doc.get("layers")
-    if not isinstance(entries, list):
-        raise InvalidInputError(f"{src}: `layers` must be a list")
-    counts: dict[int, list[int]] = {}
-    for entry in entries:
-        layer = entry.get("layer") if isinstance(entry, Mapping) else None
-        if not isinstance(layer, int) or layer not in by_layer:
-            raise InvalidInputError(f"{src}: layer {layer!r} is not a MoE layer of this model")
-        if layer in counts:
-            raise InvalidInputError(f"{src}: layer {layer} is listed twice")
-        where = f"{src}, layer {layer}"
-        c = _count_list(entry.get("counts"), by_layer[layer].n_experts, where)
-        if "routes" in entry and entry["routes"] != sum(c):
-            raise InvalidInputError(f"{where}: routes {entry['routes']} != sum of counts")
-        counts[layer] = c
-    return counts
 
 
 def plan_pools(

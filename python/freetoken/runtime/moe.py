@@ -1,19 +1,23 @@
-"""The MoE feed-forward of one layer: routing in torch, the routed experts on the CPU expert
-executor (Rust), optional shared experts."""
+"""The MoE feed-forward of one layer: the router, then the routed experts on the expert backend
+the layer is given (by default the CPU expert executor, Rust; the engine gives GPU placements
+theirs), optional shared experts."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from freetoken import _core
-from freetoken.engine.routing import Routing, route
 from freetoken.gguf import GGUFFile
+from freetoken.runtime.routing import Routing, route
 
 __all__ = [
+    "CpuExperts",
+    "ExpertBackend",
     "MoeContext",
     "MoeFFN",
     "default_executor",
@@ -76,8 +80,41 @@ def run_experts(
     return out
 
 
+class ExpertBackend(Protocol):
+    """Where a MoE layer's routed experts run: :meth:`route` turns the router's logits into
+    ids and weights ``[T, k]`` (on the device the backend computes on), :meth:`run` sums the
+    chosen experts' outputs per token."""
+
+    def route(
+        self, logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def run(
+        self, layer: _core.MoeLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class CpuExperts:
+    """The CPU expert executor on CPU tensors (routes counted by the executor)."""
+
+    def __init__(self, executor: _core.MoeExecutor) -> None:
+        self.executor = executor
+
+    def route(
+        self, logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, routing, selection_bias)
+
+    def run(
+        self, layer: _core.MoeLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return run_experts(self.executor, layer, x, ids, weights)
+
+
 class MoeFFN:
-    """``y = sum_j w_j * expert_j(x) (+ shared(x))`` for the experts the router picks."""
+    """``y = sum_j w_j * expert_j(x) (+ shared(x))`` for the experts the router picks, run by
+    ``backend`` (default: :class:`CpuExperts` on ``executor``). ``layer`` holds the experts'
+    weights in host memory whatever the backend."""
 
     def __init__(
         self,
@@ -91,14 +128,14 @@ class MoeFFN:
         self.layer = layer
         self.router = router
         self.routing = routing
-        self.executor = executor
         self.selection_bias = selection_bias
         self.shared = shared
+        self.backend: ExpertBackend = CpuExperts(executor)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        ids, weights = route(self.router(x), self.routing, self.selection_bias)
-        out = run_experts(self.executor, self.layer, x, ids, weights)
+        ids, weights = self.backend.route(self.router(x), self.routing, self.selection_bias)
+        out = self.backend.run(self.layer, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
         return out

@@ -16,15 +16,14 @@ import gc
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from freetoken.engine.kv_cache import KVCache
-    from freetoken.models.transformer import Transformer
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.step import Span, Step
 
-__all__ = ["MAX_BATCH", "GraphDecoder"]
+__all__ = ["MAX_BATCH", "Decoder", "GraphDecoder"]
 
 #: Cached positions per bucket: a step attends over the next multiple of this.
 BUCKET = 256
@@ -75,11 +74,21 @@ class _Entry:
         return all(r() is c for r, c in zip(self.refs, caches, strict=True))
 
 
+class Decoder(Protocol):
+    """What a model offers to be captured: its device and its forward pass on tensors
+    (``Transformer.run``)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class GraphDecoder:
     """Decode steps of ``model`` (on a CUDA device), one token per sequence for up to
     :data:`MAX_BATCH` sequences, as CUDA graphs per set of caches and buckets."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Decoder) -> None:
         self.model = model
         # Our MoE launches run on torch's current stream; warm-up and capture share one side
         # stream, so ggml-cuda's per-stream scratch is allocated before capture starts.
@@ -98,8 +107,6 @@ class GraphDecoder:
         return self.inputs[n]
 
     def _forward(self, caches: Sequence[KVCache], n_keys: Sequence[int]) -> torch.Tensor:
-        from freetoken.models.transformer import Span, Step
-
         tokens, pos = self._static(len(caches))
         spans = [
             Span(pos[i : i + 1], 1, c, nk)
