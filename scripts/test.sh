@@ -21,6 +21,7 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets -q -- -D warnings
 ruff check python tests benches scripts tools fuzz
 ruff format --check python tests benches scripts tools fuzz
+mypy
 
 cargo test --workspace -q
 pytest -q

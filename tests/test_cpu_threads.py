@@ -76,3 +76,18 @@ def test_default_threads_leave_cores_beside_a_gpu(monkeypatch: pytest.MonkeyPatc
 def test_cpu_model_uses_every_allowed_cpu_by_default(model: Path) -> None:
     llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
     assert llm.model.moe.executor.n_threads == len(os.sched_getaffinity(0))
+
+
+def test_llm_puts_torch_threads_back(model: Path) -> None:
+    """Loading sets torch's intra-op threads to 1 (the Rust pools compute); close(), here by
+    leaving the with block, restores what the caller had."""
+    before = torch.get_num_threads()
+    want = 3 if before != 3 else 2
+    torch.set_num_threads(want)
+    try:
+        with LLM(model, n_ctx=32, engine=EngineOptions(device="cpu")) as llm:
+            assert torch.get_num_threads() == 1
+            assert llm.generate("a", max_tokens=2, temperature=0)  # still usable
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)

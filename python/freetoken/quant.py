@@ -160,12 +160,12 @@ class QuantMatrix:
 
     def __init__(self, raw: Any, qtype: QType, shape: tuple[int, int]) -> None:
         self.info = type_info(qtype)
-        shape = _shape(shape)
-        if len(shape) != 2:
-            raise ShapeError(f"QuantMatrix shape must be (rows, K), got {shape}")
+        dims = _shape(shape)
+        if len(dims) != 2:
+            raise ShapeError(f"QuantMatrix shape must be (rows, K), got {dims}")
         self._buf = _byte_view(raw, "raw")
-        _check_size(self.info, shape, self._buf.nbytes)
-        self.shape: tuple[int, int] = (shape[0], shape[1])
+        _check_size(self.info, dims, self._buf.nbytes)
+        self.shape: tuple[int, int] = (dims[0], dims[1])
 
     @property
     def qtype(self) -> int:
@@ -194,7 +194,7 @@ class QuantMatrix:
         quantized once to the type's activation type; the GIL is released while it runs.
         """
         n, k = self.shape
-        if type(x).__module__.startswith("torch"):
+        if not isinstance(x, np.ndarray) and type(x).__module__.startswith("torch"):
             return self._matmul_torch(x)
         x = _f32_array(x, "x")
         if x.ndim not in (1, 2) or x.shape[-1] != k:

@@ -33,7 +33,7 @@ def expert_counters(model: Any, placement: Any) -> dict[str, Any]:
     counts = moe.collect().expert_counts()
     experts = getattr(placement, "experts", None)
     strategy = getattr(placement, "strategy", "cpu")
-    stats = experts.stats() if hasattr(experts, "stats") else None
+    stats = experts.stats() if experts is not None and hasattr(experts, "stats") else None
     on_gpu = set(getattr(experts, "layers", {}) or {})
     layers: dict[int, dict[str, int]] = {}
     for li, c in enumerate(counts):

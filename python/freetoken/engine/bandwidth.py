@@ -1,6 +1,6 @@
-"""The measurements of ``freetoken bench-bw`` (``freetoken/bandwidth.py`` is the command and
-the saved profile): per layer kind of a MoE model, the bandwidths that decide where a missed
-expert is served.
+"""The measurements of ``freetoken bench-bw`` (:mod:`freetoken.engine.bandwidth_profile` saves
+and reads them, :mod:`freetoken.cli.bench_bw` is the command): per layer kind of a MoE model,
+the bandwidths that decide where a missed expert is served.
 
 A layer kind is the (gate, up, down) types and the expert shape; all layers of a kind are
 measured together, the GPU on the first of them:
@@ -17,7 +17,7 @@ measured together, the GPU on the first of them:
 4. ``cpu_t1_with_gpu`` / ``gpu_t1_with_cpu``: (1) at T=1 in a background thread while (3)
    runs, each one's bandwidth while the other runs.
 
-From them, issue 7's fetch rule: fetch a missed expert over PCIe instead of computing it on the
+From them, the fetch rule: fetch a missed expert over PCIe instead of computing it on the
 CPU when ``expected_reuse * B_pcie > B_cpu``, so the break-even reuse is ``B_cpu / B_pcie``
 (``B_cpu``: the CPU's bandwidth while the GPU runs when measured, else alone; ``B_pcie``: one
 expert per copy). GB/s are 10^9 bytes per second. Without a GPU only (1) runs.

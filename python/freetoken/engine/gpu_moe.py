@@ -49,6 +49,8 @@ KINDS = ("gate", "up", "down")
 #: Above this many tokens a layer call streams the whole layer (MMQ's regime: most experts
 #: are hit anyway) instead of placing routes in slots.
 MAX_SLOT_TOKENS = 8
+#: A layer's (gate, up, down) slot pools.
+Pools = tuple[gpu.ExpertPool, gpu.ExpertPool, gpu.ExpertPool]
 #: cudaHostRegisterPortable | cudaHostRegisterReadOnly (the mapping is read-only).
 _REGISTER_FLAGS = 1 | 8
 
@@ -198,8 +200,8 @@ def unregister_host_memory(addresses: list[int], _mapping_owners: list[Any]) -> 
 
 def _pools(
     ex: ExpertLayer, n_slots: int, device: torch.device, memory: Sequence[torch.Tensor] = ()
-) -> tuple[gpu.ExpertPool, gpu.ExpertPool, gpu.ExpertPool]:
-    mems = list(memory) or [None, None, None]
+) -> Pools:
+    mems: list[torch.Tensor | None] = [*memory] if memory else [None, None, None]
     gate, up, down = (
         gpu.ExpertPool(m.qtype, m.k, m.rows, n_slots, device=device, memory=mem)
         for m, mem in zip(ex.kinds, mems, strict=True)
@@ -222,7 +224,7 @@ class _PlannedPools:
     ) -> None:
         self.device = device
         self.layers = {ex.index: ex for ex in layers}
-        self.of_layer: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...]]] = {}
+        self.of_layer: dict[int, tuple[SlotCache, Pools]] = {}
         self.uploaded_bytes = 0
         for pp in plan.pools:
             cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
@@ -237,9 +239,7 @@ class _PlannedPools:
         seen = {id(p): p for _, ps in self.of_layer.values() for p in ps}
         return sum(p.tensor.numel() for p in seen.values())
 
-    def _upload(
-        self, pools: tuple[gpu.ExpertPool, ...], uploads: Sequence[Upload], non_blocking: bool
-    ) -> None:
+    def _upload(self, pools: Pools, uploads: Sequence[Upload], non_blocking: bool) -> None:
         """Copies each upload's expert into its slot, coalescing runs of consecutive experts
         into consecutive slots (a whole layer at once when seeding)."""
         i = 0
@@ -271,11 +271,12 @@ class ResidentExperts(_PlannedPools):
         super().__init__(layers, plan, device)
         # Each layer launches on a window of its own experts: a kernel's grid spans the
         # pool's slots (MMQ's z dimension), and the expert ids are the slots.
-        self.windows: dict[int, tuple[gpu.ExpertPool, ...]] = {}
+        self.windows: dict[int, Pools] = {}
         for pp in plan.pools:
             for j, li in enumerate(pp.layers):
                 _, pools = self.of_layer[li]
-                self.windows[li] = tuple(p.window(j * pp.n_experts, pp.n_experts) for p in pools)
+                gate, up, down = (p.window(j * pp.n_experts, pp.n_experts) for p in pools)
+                self.windows[li] = (gate, up, down)
 
     def launch(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -292,7 +293,7 @@ class _Staging:
     ready: torch.cuda.Event
     free: torch.cuda.Event
     layer: int = -1
-    pools: tuple[gpu.ExpertPool, ...] = ()
+    pools: Pools | None = None
 
 
 class OffloadExperts(_PlannedPools):
@@ -374,8 +375,8 @@ class OffloadExperts(_PlannedPools):
             return buf
         self.copy_stream.wait_event(buf.free)
         with torch.cuda.stream(self.copy_stream):
-            buf.pools = _pools(ex, ex.n_experts, self.device, buf.memory)
-            for kind, pool in enumerate(buf.pools):
+            buf.pools = pools = _pools(ex, ex.n_experts, self.device, buf.memory)
+            for kind, pool in enumerate(pools):
                 pool.load(0, ex.host(kind, 0, ex.n_experts), non_blocking=self.pinned)
             buf.ready.record(self.copy_stream)
         buf.layer = ex.index
@@ -391,6 +392,7 @@ class OffloadExperts(_PlannedPools):
             self._stage(self.layers[self.order[nxt]])  # overlaps this layer's compute
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(buf.ready)
+        assert buf.pools is not None  # staged above
         out = gpu.moe_layer(*buf.pools, x, ids, weights, act=ex.layer.act, check_ids=False)
         buf.free.record(stream)
         return out

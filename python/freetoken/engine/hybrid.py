@@ -38,6 +38,7 @@ from freetoken.engine.gpu_moe import (
     ExpertLayer,
     OffloadExperts,
     PinnedExperts,
+    Pools,
     clear_last_cuda_error,
     unregister_host_memory,
 )
@@ -199,14 +200,16 @@ class HybridExperts(OffloadExperts):
             held = [r for r in cache.residents() if r is not None]
             self.free[id(cache)] = cache.n_slots - len(held)
             for layer, expert in held:
-                self.resident[self.handoff_pos[layer], expert] = cache.slot_of(layer, expert)
+                slot = cache.slot_of(layer, expert)
+                assert slot is not None  # a resident has a slot
+                self.resident[self.handoff_pos[layer], expert] = slot
         # Where each resident came from: the plan's seed (a profile's hottest) or a fill.
         self.origin = np.where(self.resident >= 0, SEEDED, 0).astype(np.int8)
         self.resident_dev = torch.from_numpy(self.resident).to(device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
         self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
         # A plan's uploads, evicted from the tables, until the next step starts their copies.
-        self.queued: list[tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = []
+        self.queued: list[tuple[SlotCache, Pools, list[Upload]]] = []
         self.ticket: Any = None
         self.serving = self.split = False
         self.n_tokens = 0
@@ -370,7 +373,7 @@ class HybridExperts(OffloadExperts):
         self.filled_hits += (hit & (origin == FILLED)).sum(axis=1)
         self.last = (ids.reshape(n, t, k).copy(), hit.reshape(n, t, k), active)
 
-    def _plan(self) -> list[tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]]:
+    def _plan(self) -> list[tuple[SlotCache, Pools, list[Upload]]]:
         """The policy's bookkeeping of the last counted step's routes, and which misses to
         upload where (up to FILLS_PER_STEP, of them SWAPS_PER_STEP over residents)."""
         if self.last is None:
@@ -379,7 +382,7 @@ class HybridExperts(OffloadExperts):
         self.last = None
         n = len(self.served)
         fills, swaps = FILLS_PER_STEP, SWAPS_PER_STEP
-        batches: dict[int, tuple[SlotCache, tuple[gpu.ExpertPool, ...], list[Upload]]] = {}
+        batches: dict[int, tuple[SlotCache, Pools, list[Upload]]] = {}
         self.steps += 1
         for i in range(n):
             pos = (i + self.steps) % n  # a different layer first each step
@@ -418,9 +421,7 @@ class HybridExperts(OffloadExperts):
         dev = torch.from_numpy(table).to(self.device)
         self.resident_dev[dev[0], dev[1]] = dev[2].to(torch.int32)
 
-    def _evict(
-        self, cache: SlotCache, pools: tuple[gpu.ExpertPool, ...], ups: list[Upload]
-    ) -> None:
+    def _evict(self, cache: SlotCache, pools: Pools, ups: list[Upload]) -> None:
         """Takes the experts a plan replaces out of the tables (before the next step, on the
         current stream) and queues the plan's copies for :meth:`_start_uploads`."""
         gone = [(self.handoff_pos[u.evicted[0]], u.evicted[1], -1) for u in ups if u.evicted]

@@ -116,7 +116,7 @@ class GGUFFile:
         buf = (ctypes.c_uint8 * nbytes).from_address(addr)
         # The ctypes view holds the file, so the mapping outlives every array made from it.
         buf.owner = self._file  # type: ignore[attr-defined]
-        arr = np.frombuffer(buf, dtype=np.uint8)
+        arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
         arr.flags.writeable = False
         assert arr.nbytes == info.nbytes
         return arr
@@ -131,4 +131,4 @@ class GGUFFile:
         info = self.info(name)
         if len(info.shape) != 2:
             raise ShapeError(f"tensor `{name}` has shape {info.shape}, not (rows, K)")
-        return QuantMatrix(self.raw(name), info.qtype, info.shape)  # type: ignore[arg-type]
+        return QuantMatrix(self.raw(name), info.qtype, info.shape)

@@ -39,7 +39,7 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
     def make(gguf: GGUFFile, cfg: ModelConfig, i: int) -> FFN:
         routing = Routing(top_k=cfg.n_experts_used, func="softmax", normalize=True)
         router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
-        layer = expert_layer(gguf, ctx, i, **expert_names(gguf, cfg, i))
+        layer = expert_layer(gguf, ctx, i, "silu", False, **expert_names(gguf, cfg, i))
         return MoeFFN(layer, router, routing, ctx.executor)
 
     return make

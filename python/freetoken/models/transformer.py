@@ -365,7 +365,7 @@ class Transformer:
             if logits is not None:
                 return list(logits.cpu().unbind(0))
         dev = self.device
-        pos = torch.cat([torch.arange(sp.start, sp.start + sp.n) for sp in spans]).to(dev)
+        pos = torch.cat([torch.arange(int(sp.start), int(sp.start) + sp.n) for sp in spans]).to(dev)
         ends = None
         if not all_logits:
             ends = (torch.tensor([0] + [sp.n for sp in spans]).cumsum(0)[1:] - 1).to(dev)
@@ -470,7 +470,7 @@ class Transformer:
             q = gpu.norm_rope(q, qn, cos, sin, cfg.norm_eps)
             k = gpu.norm_rope(k, kn, cos, sin, cfg.norm_eps)
         else:
-            if head_norm:
+            if blk.q_norm is not None and blk.k_norm is not None and head_norm:
                 q = rms_norm(q, blk.q_norm, cfg.norm_eps)
                 k = rms_norm(k, blk.k_norm, cfg.norm_eps)
             q = self._rope(q, step, blk, cfg.rope_dim)

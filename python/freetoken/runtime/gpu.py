@@ -333,7 +333,8 @@ def moe_layer(
             (t, hidden), dtype=torch.float32, device=dev
         )
     _check(out, "out", torch.float32, (t, hidden), dev)
-    pools = [(p.qtype, p.tensor.data_ptr(), p.tensor.numel()) for p in (gate, up, down)]
+    g, u, d = ((p.qtype, p.tensor.data_ptr(), p.tensor.numel()) for p in (gate, up, down))
+    pools = (g, u, d)
     _core.cuda_moe_layer(
         _device_index(gate.tensor),
         act,
@@ -426,7 +427,7 @@ def handoff_routes(
             slots.data_ptr(),
             gpu_weights.data_ptr(),
         ),
-        tuple(h.data_ptr() for h in host),
+        (host[0].data_ptr(), host[1].data_ptr(), host[2].data_ptr()),
     )
     return slots, gpu_weights
 

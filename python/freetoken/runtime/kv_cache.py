@@ -108,6 +108,7 @@ class KVCache:
         if isinstance(start, torch.Tensor):
             kc.index_copy_(0, start, k)
             vc.index_copy_(v_axis, start, v)
+            assert n_keys is not None, "a captured step reads a fixed number of keys"
             end = n_keys
         else:
             end = start + k.shape[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -169,11 +169,10 @@ def expert_layer(
     tensors; ``names`` overrides them (``gate_up=`` for a fused tensor, per-expert name
     lists for Mixtral's older layout). ``biases`` adds ``.bias`` tensors (gpt-oss)."""
     p = f"blk.{i}."
-    kinds = {k: [f"{p}ffn_{k}_exps.weight"] for k in ("gate", "up", "down")}
+    tensors: dict[str, Any] = {k: [f"{p}ffn_{k}_exps.weight"] for k in ("gate", "up", "down")}
     if "gate_up" in names:
-        del kinds["gate"]
-    kinds.update(names)
-    extra = {}
+        del tensors["gate"]
+    tensors.update(names)
     if biases:
-        extra = {f"{k}_bias": f"{p}ffn_{k}_exps.bias" for k in ("gate", "up", "down")}
-    return _core.MoeLayer(gguf.handle, i, ctx.counters, act=act, **kinds, **extra)
+        tensors |= {f"{k}_bias": f"{p}ffn_{k}_exps.bias" for k in ("gate", "up", "down")}
+    return _core.MoeLayer(gguf.handle, i, ctx.counters, act=act, **tensors)

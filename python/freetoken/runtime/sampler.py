@@ -152,10 +152,10 @@ class SamplingParams:
             put(name, value)
 
         if self.seed is not None:
-            seed = _integer("seed", self.seed)
+            seed: int | None = _integer("seed", self.seed)
             if seed == -1:
                 seed = None  # llama.cpp's "random seed"
-            elif not 0 <= seed <= _MAX_SEED:
+            elif seed is not None and not 0 <= seed <= _MAX_SEED:
                 raise InvalidInputError(
                     f"seed must be in [0, 2**64) or -1/None for a random one, got {seed}"
                 )
@@ -247,10 +247,10 @@ class Sampler:
             top, idx = x.max(dim=-1)
             self._raise_if_bad(torch.isfinite(top).tolist())
             return idx.to(torch.int64), torch.zeros(1, dtype=torch.float64, device=x.device)
-        w, idx, ok = self._weights(x)
+        w, cand, ok = self._weights(x)
         self._raise_if_bad(ok.tolist())
         w = w[0]
-        ids = idx[0] if idx is not None else torch.arange(w.shape[0], device=w.device)
+        ids = cand[0] if cand is not None else torch.arange(w.shape[0], device=w.device)
         kept = w > 0
         w, ids = w[kept], ids[kept]
         order = torch.argsort(w, descending=True)
@@ -323,12 +323,12 @@ class Sampler:
         p, vocab = self.params, self.vocab_size
         if 0 < p.top_k < vocab:
             vals, idx = torch.topk(x, p.top_k, dim=-1)
-            log_norm = torch.logsumexp(vals.double(), dim=-1, keepdim=True)
-            return vals, idx, log_norm if p.top_p < 1.0 else None
+            norm = torch.logsumexp(vals.double(), dim=-1, keepdim=True)
+            return vals, idx, norm if p.top_p < 1.0 else None
         if p.top_p >= 1.0 and p.min_p <= 0.0:
             return x, None, None
         top = x.amax(dim=-1, keepdim=True)
-        log_norm = None
+        log_norm: torch.Tensor | None = None
         if p.top_p < 1.0:
             # logsumexp by hand: torch.logsumexp is a few times slower on a CPU. A NaN or +inf
             # maximum makes this garbage, but such rows are reported as not ok anyway.
@@ -342,6 +342,7 @@ class Sampler:
                 return x, None, None  # many survivors and no top-p: mask the unsorted row
             vals, idx = torch.topk(x, k, dim=-1)
             return vals, idx, log_norm
+        assert log_norm is not None  # top-p is on: min-p alone returned above
         for k in _TOP_P_TRY_K:
             if k >= vocab:
                 break

@@ -121,6 +121,19 @@ def _number(value: float | None, what: str) -> float | None:
     return float(value)
 
 
+def _rate(value: float) -> float:
+    rate = _number(value, "a rate")
+    if rate is None:
+        raise InvalidInputError("a rate must be a number, got None")
+    return rate
+
+
+def _triple(values: Sequence[int]) -> tuple[int, int, int]:
+    """(gate, up, down) values."""
+    a, b, c = values
+    return (int(a), int(b), int(c))
+
+
 class SlotCache:
     """The bookkeeping of one slot pool of ``n_slots`` slots, shared by any number of layers
     of ``n_experts`` experts each.
@@ -241,7 +254,7 @@ class SlotCache:
         routed that often would have it, so that early misses do not displace the profile's
         experts before their own routes are counted."""
         pairs = [(_index(la, "layer"), _index(e, "expert")) for la, e in residents]
-        r = None if rates is None else [_number(x, "a rate") for x in rates]
+        r = None if rates is None else [_rate(x) for x in rates]
         return [Upload(*u) for u in self._c.seed(pairs, r)]
 
     def split_tokens(self, ids: Any) -> list[tuple[int, int]]:
@@ -372,14 +385,14 @@ def plan_pools(
     if scope not in SCOPES:
         raise InvalidInputError(f"cache scope {scope!r} is not one of {SCOPES}")
     specs = [LayerSpec(*s) for s in layers]
-    counts = None
+    counts: list[list[int]] | None = None
     if profile is not None:
         by_layer = load_profile(profile, specs, architecture=architecture, n_layers=n_layers)
         counts = [[] for _ in range(max(by_layer, default=-1) + 1)]
         for layer, c in by_layer.items():
             counts[layer] = c
     rows = [
-        (_index(layer, "layer"), tuple(types), nbytes, tuple(blocks), n_experts, top_k)
+        (_index(layer, "layer"), _triple(types), nbytes, _triple(blocks), n_experts, top_k)
         for layer, types, nbytes, blocks, n_experts, top_k in specs
     ]
     pools, used, min_b, all_b, all_res, text = _core.plan_pools(
@@ -388,12 +401,12 @@ def plan_pools(
     return CachePlan(
         pools=tuple(
             PoolPlan(
-                types=tuple(p[0]),
+                types=_triple(p[0]),
                 layers=tuple(p[1]),
                 n_experts=p[2],
                 top_k=p[3],
                 expert_bytes=p[4],
-                blocks=tuple(p[5]),
+                blocks=_triple(p[5]),
                 n_slots=p[6],
                 bytes=p[7],
                 residents=tuple(p[8]),

@@ -14,9 +14,12 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from freetoken.engine import options as engine_options
+
+if TYPE_CHECKING:
+    from freetoken.server.scheduler import SchedulerHooks
 
 __all__ = ["add_arguments", "build_state", "run"]
 
@@ -166,7 +169,9 @@ def build_state(
         vocab_size=llm.vocab_size,
         batch_tokens=batch_tokens,
         max_waiting=max_concurrent - n_slots,
-        hooks=metrics if llm.audit is None else _Audited(metrics, llm.audit),
+        hooks=metrics
+        if llm.audit is None
+        else cast("SchedulerHooks", _Audited(metrics, llm.audit)),
     )
     template = getattr(llm.tokenizer, "chat_template", None)
     cfg = ServerConfig(

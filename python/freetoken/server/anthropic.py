@@ -150,7 +150,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         kind = choice.get("type")
-        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(str(kind))
         if kind == "tool":
             chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
         elif mapped is None:

@@ -79,6 +79,11 @@ class Counter(_Metric):
         return [f"{self.name}{_labels(k)} {_num(v)}" for k, v in items]
 
 
+def _reader(status: Callable[[], dict[str, float]], key: str) -> Callable[[], float]:
+    """A gauge's function: ``status()[key]`` at scrape time."""
+    return lambda: status()[key]
+
+
 class Gauge(_Metric):
     """A value read at scrape time from ``fn``."""
 
@@ -239,7 +244,7 @@ class ServerMetrics(SchedulerHooks):
             "kv_cache_usage_ratio": "Fraction of the KV cache held by running requests",
         }
         for key, help_text in gauges.items():
-            r.add(Gauge(f"freetoken_{key}", help_text, lambda k=key: scheduler_status()[k]))
+            r.add(Gauge(f"freetoken_{key}", help_text, _reader(scheduler_status, key)))
 
     def render(self) -> str:
         """The Prometheus text of every series."""

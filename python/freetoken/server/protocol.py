@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from freetoken.errors import FreeTokenError, RequestError
 from freetoken.runtime.sampler import SamplingParams
@@ -94,6 +94,10 @@ def _check_text(name: str, s: str) -> str:
     return s
 
 
+@overload
+def _int(body: dict[str, Any], name: str, default: int) -> int: ...
+@overload
+def _int(body: dict[str, Any], name: str, default: None = None) -> int | None: ...
 def _int(body: dict[str, Any], name: str, default: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
@@ -106,6 +110,10 @@ def _int(body: dict[str, Any], name: str, default: int | None = None) -> int | N
     return v
 
 
+@overload
+def _num(body: dict[str, Any], name: str, default: float) -> float: ...
+@overload
+def _num(body: dict[str, Any], name: str, default: None = None) -> float | None: ...
 def _num(body: dict[str, Any], name: str, default: float | None = None) -> float | None:
     v = body.get(name)
     if v is None:

@@ -424,9 +424,10 @@ class Scheduler:
 
     def _step(self) -> None:
         """One forward pass over every running job."""
-        for job in [j for j in self._active if j._ready is not None]:
+        for job in self._active:
             row, job._ready = job._ready, None
-            self._sample_or_fail(job, row)
+            if row is not None:
+                self._sample_or_fail(job, row)
         batch: list[tuple[Job, list[int], bool]] = []
         for job in self._active:
             if job._next is not None:

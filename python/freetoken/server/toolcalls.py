@@ -105,7 +105,8 @@ def _json_values(text: str, sep: str = "") -> list[Any] | None:
     """Every JSON value in ``text`` (separated by whitespace and ``sep``), or None if any
     part is not JSON."""
     dec = json.JSONDecoder()
-    out, i, n = [], 0, len(text)
+    out: list[Any] = []
+    i, n = 0, len(text)
     while True:
         while i < n and (text[i].isspace() or (sep and text[i] == sep)):
             i += 1
@@ -129,8 +130,9 @@ def _parse_mistral(body: str) -> list[ToolCall] | None:
         values = _json_values(body)
         if not values or len(values) != 1 or not isinstance(values[0], list):
             return None
-        calls = [_call_from_obj(v) for v in values[0]]
-        return calls if calls and all(c is not None for c in calls) else None  # type: ignore[return-value]
+        found = [_call_from_obj(v) for v in values[0]]
+        ok = [c for c in found if c is not None]
+        return ok if ok and len(ok) == len(found) else None
     calls = []
     for part in body.split(MISTRAL_TAG):
         if not part.strip():
@@ -278,7 +280,8 @@ class ReasoningSplitter:
     def feed(self, text: str) -> tuple[str, str]:
         """Adds generated text; returns (reasoning, content) that can be emitted now."""
         self.buf += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self.buf:
             tag = THINK_CLOSE if self.inside else THINK_OPEN
             i = self.buf.find(tag)

@@ -230,7 +230,7 @@ def read_vocab(path: str | os.PathLike[str]) -> Vocab:
     bos = by_key.get("tokenizer.ggml.bos_token_id")
     add_bos = by_key.get("tokenizer.ggml.add_bos_token")
     model = by_key.get("tokenizer.ggml.model")
-    n_tokens = len(tokens.value)  # type: ignore[arg-type]
+    n_tokens = len(tokens.value)
     if token_types is not None and len(token_types) != n_tokens:
         raise GGUFError(f"{path}: {len(token_types)} token types for {n_tokens} tokens")
     return Vocab(
@@ -238,7 +238,7 @@ def read_vocab(path: str | os.PathLike[str]) -> Vocab:
         items=items,
         n_tokens=n_tokens,
         token_types=token_types,
-        bos_id=int(bos.value) if bos is not None else None,  # type: ignore[arg-type]
+        bos_id=int(bos.value) if bos is not None else None,
         # Without the key, llama.cpp adds BOS for SentencePiece ("llama") vocabularies.
         add_bos=bos is not None
         and (

@@ -55,6 +55,7 @@ the per-expert layouts of one seed hold the same weights.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -401,7 +402,7 @@ class WeightGen:
             step = max(1, CHUNK_ELEMENTS // k)
             make = self._embd_rows if role == "embd" else self._output_rows
             return [
-                (min(step, rows - r), lambda r=r: make(r, min(r + step, rows)))
+                (min(step, rows - r), functools.partial(make, r, min(r + step, rows)))
                 for r in range(0, rows, step)
             ]
         std = self._matrix_std(t)
@@ -413,7 +414,7 @@ class WeightGen:
         if len(t.shape) == 3:
             n = t.shape[1]
             return [
-                (n, lambda x=x: self._normal(f"{name}#{x}", t.shape[1:], std))
+                (n, functools.partial(self._normal, f"{name}#{x}", t.shape[1:], std))
                 for x in range(t.shape[0])
             ]
         if role == "router" and self.popularity is not None:
@@ -555,7 +556,7 @@ def _encode(values: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np
 
 def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
     """Writes all of ``data`` at ``offset`` of ``fd``."""
-    view = memoryview(data).cast("B")
+    view = memoryview(data.data).cast("B")
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
@@ -817,8 +818,12 @@ def make_test_model(
         else:
             # A non-uint8 dtype makes the writer take the shape as elements, not bytes.
             writer.add_tensor_info(
-                t.name, t.shape, np.dtype(np.float32), p.nbytes, raw_dtype=_gguf_type(p.qtype)
-            )  # type: ignore[arg-type]
+                t.name,
+                t.shape,
+                np.dtype(np.float32),
+                p.nbytes,
+                raw_dtype=_gguf_type(p.qtype),  # type: ignore[arg-type]
+            )
 
     gen = WeightGen(spec_arch, cfg, seed, voc.normal_tokens(), options)
     try:

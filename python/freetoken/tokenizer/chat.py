@@ -127,7 +127,7 @@ def _environment() -> jinja2.Environment:
         """``{% generation %}...{% endgeneration %}`` (marks assistant text for training
         masks in transformers): rendered as its body."""
 
-        tags = frozenset({"generation"})
+        tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain set attribute)
 
         def parse(self, parser: Any) -> list[nodes.Node]:
             next(parser.stream)

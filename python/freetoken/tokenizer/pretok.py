@@ -257,7 +257,7 @@ class PreTokenizer:
         for pattern, wide in self._compiled:
             if wide and wide_text is None:
                 wide_text = text.translate(_WREGEX_TRANSLATE)
-            subject = wide_text if wide else text
+            subject = wide_text if wide and wide_text is not None else text
             out: list[tuple[int, int]] = []
             for start, end in pieces:
                 prev = start

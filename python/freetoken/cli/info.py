@@ -3,6 +3,7 @@ CPU kernels' instruction set, the GPU library and the device it found, the defau
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import platform
@@ -11,7 +12,7 @@ import sys
 from freetoken import _core
 from freetoken.paths import cache_dir
 
-__all__ = ["report"]
+__all__ = ["add_arguments", "report", "run"]
 
 #: Host CPU flags (``/proc/cpuinfo`` names) worth naming: what ggml and our kernels dispatch on.
 CPU_FLAGS = (
@@ -93,3 +94,13 @@ def report() -> str:
             _default_model_line(),
         ]
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``info`` takes no flags."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints :func:`report`."""
+    print(report())
+    return 0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 from collections import OrderedDict
 from typing import Any
 
 from freetoken.gguf import GGUFFile
 
-__all__ = ["describe"]
+__all__ = ["add_arguments", "describe", "run"]
 
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -23,7 +25,8 @@ def _value(v: Any) -> str:
 
 
 def _ranges(layers: list[int]) -> str:
-    out, start = [], layers[0]
+    out: list[str] = []
+    start: int | None = layers[0]
     for a, b in zip(layers, [*layers[1:], None], strict=True):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
@@ -51,3 +54,15 @@ def describe(path: str, full: bool = False) -> str:
         lines.append(f"  blk.[{_ranges(layers)}].{name:28s} {shape!s:22s} {tname}")
     lines.append(f"total tensor bytes: {total} ({total / 2**20:.1f} MiB)")
     return "\n".join(lines) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The file, and ``--all``."""
+    p.add_argument("file")
+    p.add_argument("--all", action="store_true", help="list every tensor, not per layer")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints :func:`describe` of the file."""
+    sys.stdout.write(describe(args.file, full=args.all))
+    return 0

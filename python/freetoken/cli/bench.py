@@ -13,9 +13,10 @@ import statistics
 import sys
 import time
 
+from freetoken.cli.args import add_model_arguments
 from freetoken.errors import InvalidInputError
 
-__all__ = ["run_bench"]
+__all__ = ["add_arguments", "run"]
 
 
 def _peak_rss_mib() -> float:
@@ -23,7 +24,16 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's flags, the test sizes, repetitions and the output format."""
+    add_model_arguments(p)
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("-o", "--output", choices=["md", "json"], default="md")
+
+
+def run(args: argparse.Namespace) -> int:
     """Measures and prints the table (md) or one JSON object (json)."""
     from freetoken import _core
 
@@ -93,6 +103,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if warm is not None:
             # The timed passes' counters (prompt passes included), as tg's: not the warm-up's
             # fills and graph captures.
+            assert callable(stats_fn)
             stats = stats_fn().since(warm)
             result["hybrid"] = {
                 "hit_rate": float(stats.hit_rate),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from freetoken.cli.args import add_model_arguments
 from freetoken.errors import InvalidInputError
 from freetoken.runtime.expert_profile import expert_profile, write_profile
 
@@ -13,7 +14,8 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``profile`` subcommand's flags (model flags are added by the CLI)."""
+    """The ``profile`` subcommand's flags: the model's, the prompts, the length and output."""
+    add_model_arguments(p)
     p.add_argument("--prompts", required=True, help="text file, one prompt per line")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate each")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
