@@ -15,7 +15,7 @@ llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak 
 lowest-VRAM llama.cpp row when none is). Optionally (first model only) the hand-off's cost per
 MoE layer: ``gpu`` against ``hybrid`` with every expert resident, so every route hits and the
 CPU answers empty requests. With ``--time-model`` (the default) ``freetoken bench-bw`` runs
-first on each model (each round), and each hybrid row gets issue 7's time model beside its
+first on each model (each round), and each hybrid row gets the time model beside its
 measured step, t = (D + A) / B_g + (1 - h) R / B_c: D the dense weight bytes, A the KV bytes
 a token reads (float32 cache, the mean position of the tg run), R the routed expert bytes per
 token, h the row's hit rate, B_g and B_c bench-bw's device and host read bandwidths
@@ -145,7 +145,7 @@ def bandwidths(model: str) -> dict[str, Any]:
 
 
 def time_model(rows: list[dict[str, Any]], bw: dict[str, Any] | None, kv: float) -> None:
-    """Issue 7's time model beside each row with a hit rate (``row["time_model"]``), with the
+    """The time model beside each row with a hit rate (``row["time_model"]``), with the
     bandwidths ``bw`` of the same round and ``kv`` KV bytes read a token."""
     if not bw or "b_cpu_gbps" not in bw:
         return
@@ -542,7 +542,7 @@ def main() -> None:
         "--time-model",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run freetoken bench-bw per model and set issue 7's time model beside each row",
+        help="run freetoken bench-bw per model and set the time model beside each row",
     )
     ap.add_argument(
         "--rounds",

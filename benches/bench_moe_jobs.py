@@ -2,7 +2,7 @@
 
 A hybrid decode step hands the CPU one job per MoE layer: one token, the 1-8 experts that
 missed the GPU cache. Each job's time is a fixed part plus its experts' bytes over the
-host's bandwidth; the fixed part is paid 48 times a step (benches/README.md, session 7).
+host's bandwidth; the fixed part is paid 48 times a step (benches/README.md, "Hybrid decode").
 This times ``run_experts`` on jobs of ``m`` distinct experts drawn at random over the
 model's MoE layers (so none is in the CPU's caches), the model mapped (``mmap``) and read
 into huge-page-backed memory (``--no-mmap``), and fits time = fixed + m x per expert.

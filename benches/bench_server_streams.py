@@ -1,5 +1,5 @@
 """Aggregate decode throughput of concurrent streams: ``freetoken serve`` against llama.cpp's
-``llama-server`` on one model, side by side in one run (issue 7: 4 and 16 streams, hybrid
+``llama-server`` on one model, side by side in one run (4 and 16 streams, hybrid
 against llama.cpp's ``--n-cpu-moe`` at the same GPU memory budget).
 
 Per engine and stream count N: the server is started on 127.0.0.1 with N slots, one warm-up

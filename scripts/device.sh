@@ -41,7 +41,9 @@ OUT=${OUT:-$DEV/out}
 FT_BUILD=${FT_BUILD:-/tmp/ft-build}
 FT_SITE=${FT_SITE:-/tmp/ft-site}
 ARCHS=${FREETOKEN_CUDA_ARCHS:-90}
-SHA=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+# The pinned sdist's sha256 (python/freetoken/llama_pin.toml, one `key = "value"` per line).
+SHA=$(sed -n 's/^sha256 = "\([0-9a-f]*\)"$/\1/p' python/freetoken/llama_pin.toml)
+[ ${#SHA} = 64 ] || { echo "device.sh: no sha256 in python/freetoken/llama_pin.toml" >&2; exit 2; }
 # Instruction sets both the dev machines and the GPU machine have.
 CPU_OPTIONS="GGML_SSE42=ON GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON \
 GGML_AVX512=ON GGML_AVX512_VBMI=ON GGML_AVX512_VNNI=ON GGML_AVX512_BF16=ON"
@@ -182,7 +184,7 @@ bench() {
     fi
 }
 
-# The Qwen3-30B-A3B-shaped benchmark model (issue 6): 48 layers, 128 experts, top-8, Q4_0
+# The Qwen3-30B-A3B-shaped benchmark model: 48 layers, 128 experts, top-8, Q4_0
 # experts, Q8_0 attention and output, uniform routing; 4 layers' experts tiled (make-test-model
 # --tile-experts) so it is written in about two minutes. ZIPF_MODEL: the same with per-layer
 # hot experts (--routing zipf), for the hybrid strategy's cache.
@@ -243,7 +245,7 @@ bench_hybrid() {
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
-# Concurrent streams (issue 7): freetoken serve --moe-strategy hybrid at a 25% cache against
+# Concurrent streams: freetoken serve --moe-strategy hybrid at a 25% cache against
 # llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM).
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build

@@ -1,4 +1,4 @@
-"""``freetoken bench-bw`` (issue 7, item 3) on a tiny synthetic MoE model with two layer kinds.
+"""``freetoken bench-bw`` on a tiny synthetic MoE model with two layer kinds.
 
 The CPU figures are checked against counts made here from the GGUF file itself (gguf-py's
 GGUFReader): the bytes the executor counted must be the experts each call reads times one

@@ -1,4 +1,4 @@
-"""The slot cache's adaptive policy against LRU under simulated hybrid decode (issue 7: the
+"""The slot cache's adaptive policy against LRU under simulated hybrid decode: the
 adaptive fill must beat plain LRU on skewed routing and be at most 3% worse on uniform
 routing). No GPU.
 

@@ -144,7 +144,7 @@ def test_gpu_matches_cpu(
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
 
 
-#: Issue 7's check of the hybrid split: families with different expert layouts and mixed
+#: The check of the hybrid split: families with different expert layouts and mixed
 #: quant types, teacher-forced over 256 positions each (4 x 64 greedy tokens of the CPU).
 HYBRID_LONG = ["qwen3moe", "mixed", "deepseek2", "glm4moe"]
 LONG_PROMPTS = [*PROMPTS, "Once upon a time, in a small village by the sea,", "List 3 primes: 2,"]

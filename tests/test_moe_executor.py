@@ -22,12 +22,12 @@ that, not the weights, is the error against the float64 reference:
 
 - q8_0 / q8_1 (legacy types, IQ4_NL, MXFP4, NVFP4, Q1_0, Q2_0): one scale per 32 values, step
   amax/127. Gaussian x (amax/rms ~ 2.1 over 32) costs ~0.8% and the heavier-tailed h ~0.9%.
-  The issue's bound, 2e-2 per token, holds with margin (``TOL``).
+  The bound, 2e-2 per token, holds with margin (``TOL``).
 - q8_K (every K-quant, IQ type but IQ4_NL, and TQ type): one scale per 256 values. Over 256
   values gaussian x has amax/rms ~ 2.9 and h = silu(g) * u ~ 6.5, so the rounding noise
   amax / (127 * sqrt(12)) per element costs ~1% on y through x and ~1.5% through h. That is
   ggml's own algorithm -- llama.cpp's CPU mul_mat_id converts the activations the same way --
-  and the issue's 2e-2 per token does not hold there: layers with a q8_K activation get
+  and 2e-2 per token does not hold there: layers with a q8_K activation get
   ``TOL_Q8K`` = 3.5e-2.
 
 Measured by ``benches/moe_accuracy.py`` (the executor against this module's reference, 2000
@@ -51,7 +51,7 @@ x and h are quantized twice, the row and then its rounding residual, and every p
 sum of both passes' dot products (for q8_1 the second pass's block sum also carries the first
 one's fp16 rounding). Measured the same way (``benches/moe_accuracy.py --precise``, 500
 tokens): at most 1e-4 per token for every type, 3e-4 for Q4_1 / Q5_1, so every case is checked
-at ``TOL_PRECISE`` = 2e-3, ten times inside the issue's 2e-2, for every activation type. It
+at ``TOL_PRECISE`` = 2e-3, ten times inside the 2e-2 bound, for every activation type. It
 costs a second dot product per row (benches/README.md); the default stays ggml's rounding, so
 that results match llama.cpp's. The ``executor`` fixture runs every test in both modes.
 

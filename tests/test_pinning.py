@@ -1,8 +1,8 @@
 """How long expert memory stays page-locked (``gpu_moe.pin_host_memory``): as long as its owner
 (the slot pools) lives, then unregistered once. Runs without a GPU: the CUDA runtime's register
-and unregister calls are recorded by a stand-in. (Until this test, the pins were collected as
-soon as the function returned, so every upload ran from pageable memory at a sixth of PCIe
-speed while the engine reported the memory pinned.)"""
+and unregister calls are recorded by a stand-in. Pins collected as soon as the function
+returns would leave every upload on pageable memory, at a sixth of PCIe speed, while the engine
+reported the memory pinned."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``freetoken.quant.dequantize`` against an independent decoder (issue 2, "Done when" item 2).
+"""``freetoken.quant.dequantize`` against an independent decoder.
 
 The reference is gguf-py 0.19.0 (``gguf.quants.dequantize``, pure numpy), for every storage type
 it can decode: on many random valid blocks (made by quantizing random floats with ours), on
@@ -35,7 +35,7 @@ NO_GGUF_REFERENCE = ("Q1_0", "Q2_0")
 GGUF_REFERENCE_TYPES = [t for t in STORAGE_TYPES if t not in NO_GGUF_REFERENCE]
 
 # Measured on this ggml, over random blocks of every distribution below, arbitrary bytes and
-# the Gemma tensors: every type gguf-py decodes is bit-identical to it (0 ulp). The issue allows
+# the Gemma tensors: every type gguf-py decodes is bit-identical to it (0 ulp). The bound allows
 # 1 ulp; pinning 0 here catches a regression to 1 ulp (a reordered multiply, say). A type that
 # legitimately differs by 1 ulp would be left out of this set, never more.
 BIT_IDENTICAL = frozenset(GGUF_REFERENCE_TYPES)  # all 26

@@ -1,5 +1,5 @@
 """Bad input to ``freetoken.quant`` raises ``FreeTokenError`` subclasses naming the problem
-(issue 2, "Done when" item 5), and nothing crashes the interpreter."""
+and nothing crashes the interpreter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``QuantMatrix.matmul`` against a float64 product (issue 2, "Done when" item 4).
+"""``QuantMatrix.matmul`` against a float64 product.
 
 y = x @ W.T with W quantized is compared with ``x (float64) @ dequantize(W) (float64) .T``; the
 per-token relative error ``||y[t] - y_ref[t]|| / ||y_ref[t]||`` must be at most 1e-2. What is

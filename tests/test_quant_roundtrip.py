@@ -1,4 +1,4 @@
-"""Round-trip error on ggml's own quantization test data (issue 2, "Done when" item 3).
+"""Round-trip error on ggml's own quantization test data.
 
 Mirrors ``tests/test-quantize-fns.cpp`` of the pinned llama.cpp (read for its facts):
 

@@ -371,7 +371,7 @@ def group_layers(model: Transformer, name: str = "the model") -> dict[LayerKind,
 
 
 def _break_even(b_cpu: float, b_pcie: float | None) -> float | None:
-    """Issue 7's rule: fetch when ``reuse * B_pcie > B_cpu``, so break-even at the ratio."""
+    """The fetch rule: fetch when ``reuse * B_pcie > B_cpu``, so break-even at the ratio."""
     return b_cpu / b_pcie if b_pcie else None
 
 

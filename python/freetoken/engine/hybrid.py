@@ -333,7 +333,7 @@ class HybridExperts(OffloadExperts):
 
     def _split_pays(self, n_tokens: int) -> bool:
         """Whether computing a layer's expected misses on the CPU beats streaming the layer
-        over PCIe (issue 7's rule with the bench-bw figures; each missed route priced as one
+        over PCIe (the fetch rule with the bench-bw figures; each missed route priced as one
         expert read, which over-prices the CPU on long prompts, where it is compute-bound)."""
         if not self.order:
             return False  # no slots: nothing to split
