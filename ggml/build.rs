@@ -1,6 +1,7 @@
 //! Builds ggml-base and ggml-cpu (static) from the pinned llama.cpp source.
 //!
-//! The source is the `vendor/llama.cpp` tree of the PyPI sdist `llama-cpp-python==0.3.36`:
+//! The source is the `vendor/llama.cpp` tree of the PyPI sdist pinned in
+//! `python/freetoken/llama_pin.toml` (name, sha256, URL; Python reads the same file):
 //! `FREETOKEN_LLAMA_SRC` may point at an unpacked tree; otherwise the sdist is downloaded
 //! (or taken from `FREETOKEN_LLAMA_SDIST`), its sha256 checked, and the tree unpacked into
 //! `~/.cache/freetoken/llama.cpp-<sha>` under a file lock, since cargo test, clippy and maturin
@@ -11,11 +12,37 @@ use std::fs::{self, File};
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::LazyLock;
 
-const SDIST_NAME: &str = "llama_cpp_python-0.3.36";
-const SDIST_SHA256: &str = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e";
-const SDIST_URL: &str = "https://files.pythonhosted.org/packages/ec/e9/\
-e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz";
+/// The pin file: one `key = "value"` per line (Python reads it as TOML).
+const PIN_FILE: &str = "../python/freetoken/llama_pin.toml";
+
+/// The pinned sdist of `PIN_FILE`.
+struct Pin {
+    name: String,
+    sha256: String,
+    url: String,
+}
+
+static PIN: LazyLock<Pin> = LazyLock::new(|| {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(PIN_FILE);
+    println!("cargo:rerun-if-changed={}", path.display());
+    let text = fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read the pin {}: {e}", path.display()));
+    let value = |key: &str| -> String {
+        text.lines()
+            .find_map(|line| {
+                let (k, v) = line.split_once('=')?;
+                (k.trim() == key).then(|| v.trim().trim_matches('"').to_string())
+            })
+            .unwrap_or_else(|| panic!("{} has no `{key}`", path.display()))
+    };
+    Pin {
+        name: value("name"),
+        sha256: value("sha256"),
+        url: value("url"),
+    }
+});
 
 /// Instruction sets of the portable baseline build (`FREETOKEN_CPU_BASELINE=1`).
 const BASELINE_OPTIONS: &[&str] = &[
@@ -85,12 +112,12 @@ fn llama_source() -> BoxResult<PathBuf> {
     }
     let cache = cache_dir();
     fs::create_dir_all(&cache)?;
-    let tree = cache.join(format!("llama.cpp-{SDIST_SHA256}"));
+    let tree = cache.join(format!("llama.cpp-{}", PIN.sha256));
     let done = tree.join(".freetoken-complete");
     if done.is_file() {
         return Ok(tree);
     }
-    let lock = File::create(cache.join(format!("llama.cpp-{SDIST_SHA256}.lock")))?;
+    let lock = File::create(cache.join(format!("llama.cpp-{}.lock", PIN.sha256)))?;
     lock.lock()?;
     if !done.is_file() {
         let sdist = fetch_sdist(&cache)?;
@@ -124,18 +151,18 @@ fn fetch_sdist(cache: &Path) -> BoxResult<PathBuf> {
     let path = match env::var_os("FREETOKEN_LLAMA_SDIST") {
         Some(p) => PathBuf::from(p),
         None => {
-            let dest = cache.join("downloads").join(format!("{SDIST_NAME}.tar.gz"));
-            if !dest.is_file() || sha256_file(&dest)? != SDIST_SHA256 {
+            let dest = cache.join("downloads").join(format!("{}.tar.gz", PIN.name));
+            if !dest.is_file() || sha256_file(&dest)? != PIN.sha256 {
                 fs::create_dir_all(dest.parent().unwrap())?;
                 let part = dest.with_extension("part");
                 let status = Command::new("curl")
                     .args(["-fsSL", "--retry", "3", "-o"])
                     .arg(&part)
-                    .arg(SDIST_URL)
+                    .arg(&PIN.url)
                     .status()
-                    .map_err(|e| format!("cannot run curl to download {SDIST_URL}: {e}"))?;
+                    .map_err(|e| format!("cannot run curl to download {}: {e}", PIN.url))?;
                 if !status.success() {
-                    return Err(format!("download of {SDIST_URL} failed ({status})").into());
+                    return Err(format!("download of {} failed ({status})", PIN.url).into());
                 }
                 fs::rename(&part, &dest)?;
             }
@@ -143,10 +170,11 @@ fn fetch_sdist(cache: &Path) -> BoxResult<PathBuf> {
         }
     };
     let got = sha256_file(&path)?;
-    if got != SDIST_SHA256 {
+    if got != PIN.sha256 {
         return Err(format!(
-            "{} has sha256 {got}, expected {SDIST_SHA256}",
-            path.display()
+            "{} has sha256 {got}, expected {}",
+            path.display(),
+            PIN.sha256
         )
         .into());
     }
@@ -156,7 +184,7 @@ fn fetch_sdist(cache: &Path) -> BoxResult<PathBuf> {
 /// Unpacks `<sdist>/vendor/llama.cpp/` into `tree`, through a temporary sibling directory so
 /// that a crash never leaves a half tree behind.
 fn unpack_vendor_tree(sdist: &Path, tree: &Path) -> BoxResult<()> {
-    let prefix = Path::new(SDIST_NAME).join("vendor").join("llama.cpp");
+    let prefix = Path::new(&PIN.name).join("vendor").join("llama.cpp");
     let tmp = tree.with_extension("tmp");
     if tmp.exists() {
         fs::remove_dir_all(&tmp)?;
