@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import jinja2
 
     from freetoken.tokenizer.core import Tokenizer
+    from freetoken.tokenizer.sandbox import LimitedEnvironment
 
 __all__ = ["CHATML_TEMPLATE", "GEMMA_TEMPLATE", "fallback_template", "render_chat_template"]
 
@@ -116,7 +117,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @functools.cache
-def _environment() -> jinja2.Environment:
+def _environment() -> LimitedEnvironment:
     import jinja2
     import jinja2.ext
     from jinja2 import nodes

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 from jinja2 import nodes
@@ -80,11 +80,12 @@ class _Bound(NodeTransformer):
 
     def _wrap(self, fn: str, node: nodes.Expr) -> nodes.Expr:
         call = nodes.Call(nodes.Name(fn, "load"), [node], [], None, None)
-        return call.set_lineno(node.lineno)
+        call.set_lineno(node.lineno)
+        return call
 
     def visit_For(self, node: nodes.For) -> nodes.Node:  # noqa: N802 (jinja2 visitor name)
         self.generic_visit(node)
-        node.iter = self._wrap(_LOOP_BUDGET, node.iter)
+        node.iter = self._wrap(_LOOP_BUDGET, cast(nodes.Expr, node.iter))
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:  # noqa: N802 (jinja2 visitor name)
