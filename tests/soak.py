@@ -193,9 +193,11 @@ def run(model: Path, requests: int, concurrency: int, seed: int = 0) -> SoakResu
             res.final_text = _final_text(server)
             if server.proc.poll() is not None:
                 res.server_errors.append(f"the server exited: {log.read_text()[-2000:]}")
-            tracebacks = log.read_text().count("Traceback")
+            text = log.read_text()
+            tracebacks = text.count("Traceback")
             if tracebacks:
-                res.server_errors.append(f"{tracebacks} tracebacks in the server's log")
+                first = text[text.index("Traceback") :][:3000]
+                res.server_errors.append(f"{tracebacks} tracebacks in the server's log: {first}")
         with live_server(model, Path(tmp) / "fresh-server.txt", SERVER_ARGS) as fresh:
             res.fresh_text = _final_text(fresh)
     return res

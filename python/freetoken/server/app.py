@@ -175,6 +175,9 @@ async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.Stre
         err = RequestError(e.text or e.reason, status=e.status, err_type=err_type)
     except FreeTokenError as e:
         err = RequestError(str(e))
+    except ClientGoneError as e:
+        log.info("%s %s: the client went away mid-stream", request.method, request.path)
+        return e.resp
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
@@ -234,10 +237,19 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return P.parse_json_body(raw)
 
 
+class ClientGoneError(Exception):
+    """The client of a started stream went away, or took none of an event within the timeout:
+    the handler unwinds (its ``finally`` cancels the job, which frees the slot) and the
+    middleware ends the response quietly."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        super().__init__("the client went away")
+        self.resp = resp
+
+
 class EventStream:
-    """A prepared event-stream response. A client that takes none of an event's bytes within
-    the timeout is dropped like one that disconnected: the write raises ConnectionResetError,
-    and the handler's ``finally`` cancels the job, which frees its slot."""
+    """A prepared event-stream response; a write to a client that is gone, or that takes
+    nothing within the timeout, raises :class:`ClientGoneError`."""
 
     def __init__(self, resp: web.StreamResponse, path: str, timeout: float) -> None:
         self.resp, self._path, self._timeout = resp, path, timeout
@@ -247,7 +259,9 @@ class EventStream:
             await asyncio.wait_for(self.resp.write(data), self._timeout)
         except TimeoutError:
             log.info("%s: the client took nothing for %g s; dropped", self._path, self._timeout)
-            raise ConnectionResetError("the client stopped reading its stream") from None
+            raise ClientGoneError(self.resp) from None
+        except ConnectionResetError:
+            raise ClientGoneError(self.resp) from None
 
     async def send(self, obj: dict[str, Any]) -> None:
         """One OpenAI ``data:`` event."""
