@@ -242,13 +242,12 @@ class HybridExperts(OffloadExperts):
         self.block[STOP] = 0
         self.ticket = self.executor.serve_handoffs(
             [self.all_layers[li].layer for li in self.served],
-            (self.host, self.resident),
-            self.block.ctypes.data,
-            a["x"].ctypes.data,
-            a["out"].ctypes.data,
-            a["ids"].ctypes.data,
-            a["weights"].ctypes.data,
-            self.resident.ctypes.data,
+            self.block,
+            a["x"],
+            a["out"],
+            a["ids"],
+            a["weights"],
+            self.resident,
             MAX_TOKENS,
             self.top_k,
         )
@@ -307,7 +306,7 @@ class HybridExperts(OffloadExperts):
         dummy = cache.n_slots if cache is not None else 0
         slots, w = gpu.handoff_routes(
             self.counter,
-            self.block.ctypes.data,
+            self.block,
             (t << 32) | pos,
             x,
             ids,
@@ -321,7 +320,7 @@ class HybridExperts(OffloadExperts):
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
-        gpu.handoff_wait_add(self.counter, self.block.ctypes.data, v["out"][:t], out, TIMEOUT_S)
+        gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
 
     def _cpu_direct(

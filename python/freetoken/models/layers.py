@@ -64,13 +64,7 @@ def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor
     k = x.shape[-1]
     lead = x.shape[:-1]
     ys = [torch.empty((*lead, layer.n), dtype=torch.float32) for layer in layers]
-    _core.matmul_group(
-        [layer.spec for layer in layers],
-        k,
-        x.data_ptr(),
-        x.numel() // k,
-        [y.data_ptr() for y in ys],
-    )
+    _core.matmul_group([layer.spec for layer in layers], k, x, ys)
     return [y if ly.bias is None else y + ly.bias for y, ly in zip(ys, layers, strict=True)]
 
 
