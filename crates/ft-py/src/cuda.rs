@@ -28,6 +28,22 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
+    m.add("CUDA_TOPK_MAX_EXPERTS", ft_cuda::TOPK_MAX_EXPERTS)?;
+    m.add("CUDA_TOPK_MAX_K", ft_cuda::TOPK_MAX_K)?;
+    use ft_cpu::handoff_words as w;
+    for (name, value) in [
+        ("HANDOFF_WORDS", w::WORDS),
+        ("HANDOFF_GPU_SEQ", w::GPU_SEQ),
+        ("HANDOFF_CPU_SEQ", w::CPU_SEQ),
+        ("HANDOFF_TAG", w::TAG),
+        ("HANDOFF_TIMEOUT", w::TIMEOUT),
+        ("HANDOFF_ERROR", w::ERROR),
+        ("HANDOFF_STOP", w::STOP),
+        ("HANDOFF_ANSWERED", w::ANSWERED),
+        ("HANDOFF_BUSY_NS", w::BUSY_NS),
+    ] {
+        m.add(name, value)?;
+    }
     m.add("CUDA_ABI_VERSION", ft_cuda::ABI_VERSION)?;
     Ok(())
 }

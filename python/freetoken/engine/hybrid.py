@@ -50,8 +50,9 @@ from freetoken.runtime.slots import CachePlan, SlotCache, Upload
 __all__ = ["HybridExperts", "HybridStats", "MappedHost"]
 
 # The hand-off block's words (cuda/include/freetoken_cuda.h, FT_CUDA_HANDOFF_*).
-WORDS = 8
-TIMEOUT, STOP, ANSWERED, BUSY_NS = 3, 5, 6, 7
+WORDS = _core.HANDOFF_WORDS
+TIMEOUT, STOP = _core.HANDOFF_TIMEOUT, _core.HANDOFF_STOP
+ANSWERED, BUSY_NS = _core.HANDOFF_ANSWERED, _core.HANDOFF_BUSY_NS
 #: Most tokens a step splits between the GPU and the CPU (rows of the hand-off buffers).
 MAX_TOKENS = 256
 #: How long the GPU waits for one answer before giving up (the step then fails).

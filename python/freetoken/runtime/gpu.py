@@ -563,7 +563,7 @@ def attn_decode(
 
 
 #: The most experts and routes per token :func:`topk_softmax` takes (a thread per expert).
-TOPK_MAX_EXPERTS, TOPK_MAX_K = 1024, 32
+TOPK_MAX_EXPERTS, TOPK_MAX_K = _core.CUDA_TOPK_MAX_EXPERTS, _core.CUDA_TOPK_MAX_K
 
 
 def topk_softmax(
