@@ -96,64 +96,67 @@ def test_quantize() -> None:
     refused(InvalidInputError, lambda: _core.quantize(Q8_0, x, H, np.ones(H, np.float16)))
 
 
+def test_quant_weight(weights: np.ndarray) -> None:
+    """A weight's bytes are checked once, when it is made."""
+    assert _core.QuantWeight(Q8_0, weights, 8, H).n == 8
+    refused(ShapeError, lambda: _core.QuantWeight(Q8_0, weights[:-1], 8, H))
+    refused(ShapeError, lambda: _core.QuantWeight(Q8_0, weights, 9, H))
+    refused(InvalidInputError, lambda: _core.QuantWeight(Q8_0, weights.view(np.int8), 8, H))
+    refused(InvalidInputError, lambda: _core.QuantWeight(Q8_0, weights[::2], 4, H))
+    refused(InvalidInputError, lambda: _core.QuantWeight(Q8_0, list(weights), 8, H))
+
+
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_matmul(weights: np.ndarray, lib: str) -> None:
     def arr(a: np.ndarray) -> Any:
         return torch.from_numpy(a) if lib == "torch" else a
 
+    w = _core.QuantWeight(Q8_0, weights, 8, H)
     x = np.ones((3, H), dtype=np.float32)
     y = np.full((3, 8), 7.0, dtype=np.float32)
-    _core.matmul(Q8_0, weights, 8, H, arr(x), arr(y))
+    _core.matmul(w, arr(x), arr(y))
     y[:] = 7.0
     ty = arr(y)
-    refused(
-        InvalidInputError,
-        lambda: _core.matmul(Q8_0, weights, 8, H, arr(x.astype(np.float64)), ty),
-        y,
-    )
-    refused(InvalidInputError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(strided(x)), ty), y)
-    refused(InvalidInputError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(x), arr(strided(y))))
-    refused(InvalidInputError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(x).tolist(), ty), y)
-    refused(ShapeError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(x), arr(y[:2])), y)
-    refused(ShapeError, lambda: _core.matmul(Q8_0, weights[:-1], 8, H, arr(x), ty), y)
-    refused(ShapeError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(x.reshape(-1)[:-1]), ty), y)
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(x.astype(np.float64)), ty), y)
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(strided(x)), ty), y)
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(x), arr(strided(y))))
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(unaligned(x)), ty), y)
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(x).tolist(), ty), y)
+    refused(ShapeError, lambda: _core.matmul(w, arr(x), arr(y[:2])), y)
+    refused(ShapeError, lambda: _core.matmul(w, arr(x.reshape(-1)[:-1]), ty), y)
     # y over x: the product would read what it writes.
     both = np.ones((3, H), dtype=np.float32)
     over = both.reshape(-1)[: 3 * 8].reshape(3, 8)
-    refused(
-        InvalidInputError, lambda: _core.matmul(Q8_0, weights, 8, H, arr(both), arr(over)), both
-    )
+    refused(InvalidInputError, lambda: _core.matmul(w, arr(both), arr(over)), both)
 
 
 def test_matmul_on_gpu_memory_is_refused(weights: np.ndarray) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device for a device tensor")
+    w = _core.QuantWeight(Q8_0, weights, 8, H)
     x = torch.ones((1, H), device="cuda")
-    y = torch.empty((1, 8))
-    refused(InvalidInputError, lambda: _core.matmul(Q8_0, weights, 8, H, x, y))
+    refused(InvalidInputError, lambda: _core.matmul(w, x, torch.empty((1, 8))))
 
 
 def test_matmul_group(weights: np.ndarray) -> None:
     x = np.ones((2, H), dtype=np.float32)
     y1, y2 = (np.full((2, 8), 7.0, dtype=np.float32) for _ in range(2))
-    specs = [(Q8_0, weights, 8), (Q8_0, weights, 8)]
-    _core.matmul_group(specs, H, x, [y1, y2])
+    w = _core.QuantWeight(Q8_0, weights, 8, H)
+    _core.matmul_group([w, w], x, [y1, y2])
     y1[:] = y2[:] = 7.0
-    refused(InvalidInputError, lambda: _core.matmul_group(specs, H, x, [y1, y1]), y1)
-    refused(
-        InvalidInputError, lambda: _core.matmul_group(specs, H, x, [y1, y2.astype(np.int32)]), y1
-    )
-    refused(ShapeError, lambda: _core.matmul_group(specs, H, x, [y1, y2[:1]]), y1)
-    refused(ShapeError, lambda: _core.matmul_group(specs, H, x, [y1]), y1)
-    refused(
-        InvalidInputError,
-        lambda: _core.matmul_group([(Q8_0, weights.view(np.int8), 8)] * 2, H, x, [y1, y2]),
-        y1,
-    )
+    refused(InvalidInputError, lambda: _core.matmul_group([w, w], x, [y1, y1]), y1)
+    refused(InvalidInputError, lambda: _core.matmul_group([w, w], x, [y1, y2.astype(np.int32)]), y1)
+    refused(ShapeError, lambda: _core.matmul_group([w, w], x, [y1, y2[:1]]), y1)
+    refused(ShapeError, lambda: _core.matmul_group([w, w], x, [y1]), y1)
+    # Weights of different row lengths cannot share x.
+    other = np.frombuffer(quantize(np.ones((8, 2 * H), np.float32), "Q8_0"), np.uint8)
+    w2 = _core.QuantWeight(Q8_0, other, 8, 2 * H)
+    refused(ShapeError, lambda: _core.matmul_group([w, w2], x, [y1, y2]), y1)
     # An output over a weight's bytes.
-    w = weights.copy()
-    over = w[: 2 * 8 * 4].view(np.float32).reshape(2, 8)
-    refused(InvalidInputError, lambda: _core.matmul_group([(Q8_0, w, 8)], H, x, [over]), w)
+    raw = weights.copy()
+    wo = _core.QuantWeight(Q8_0, raw, 8, H)
+    over = raw[: 2 * 8 * 4].view(np.float32).reshape(2, 8)
+    refused(InvalidInputError, lambda: _core.matmul_group([wo], x, [over]), raw)
 
 
 # -- the expert executor ---------------------------------------------------------------------

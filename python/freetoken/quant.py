@@ -185,10 +185,11 @@ class QuantMatrix:
         """The weight's bytes, a flat uint8 array (shared, not copied)."""
         return self._buf
 
-    @property
-    def spec(self) -> tuple[int, np.ndarray, int]:
-        """(type id, bytes, rows): how ``_core.matmul_group`` takes this weight."""
-        return (self.info.id, self._buf, self.shape[0])
+    @functools.cached_property
+    def spec(self) -> _core.QuantWeight:
+        """The weight as ``_core.matmul_group`` takes it (UnsupportedError for a type without
+        a CPU dot product)."""
+        return _core.QuantWeight(self.info.id, self._buf, *self.shape)
 
     def dequantize(self) -> np.ndarray:
         """The weights as a float32 ``(N, K)`` array."""
@@ -207,7 +208,7 @@ class QuantMatrix:
         if x.ndim not in (1, 2) or x.shape[-1] != k:
             raise ShapeError(f"x must have shape (T, {k}) or ({k},), got {x.shape}")
         y = np.empty((*x.shape[:-1], n), dtype=np.float32)
-        _core.matmul(self.info.id, self._buf, n, k, x, y)
+        _core.matmul(self.spec, x, y)
         return y
 
     def _matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,5 +224,5 @@ class QuantMatrix:
         if x.dim() not in (1, 2) or x.shape[-1] != k:
             raise ShapeError(f"x must have shape (T, {k}) or ({k},), got {tuple(x.shape)}")
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-        _core.matmul(self.info.id, self._buf, n, k, x, y)
+        _core.matmul(self.spec, x, y)
         return y

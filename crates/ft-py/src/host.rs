@@ -11,6 +11,7 @@ use crate::errors::to_py;
 use freetoken_ggml::Error;
 use pyo3::buffer::{ElementType, PyUntypedBuffer};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -202,25 +203,28 @@ impl HostArray {
             .find(|(d, _)| *d == dtype)
             .expect("listed")
             .1;
-        let got = obj.getattr("dtype")?;
+        let got = obj.getattr(intern!(py, "dtype"))?;
         if !got.is(want) {
             return Err(invalid(format!(
                 "{what} must be {}, got {got}",
                 dtype.name()
             )));
         }
-        if !obj.getattr("is_cpu")?.extract::<bool>()? {
+        if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
             return Err(invalid(format!(
                 "{what} must be in host memory, got a tensor on {}",
                 obj.getattr("device")?
             )));
         }
-        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+        if !obj
+            .call_method0(intern!(py, "is_contiguous"))?
+            .is_truthy()?
+        {
             return Err(invalid(format!("{what} must be contiguous")));
         }
         Ok(HostArray {
-            addr: obj.call_method0("data_ptr")?.extract()?,
-            len: obj.call_method0("numel")?.extract()?,
+            addr: obj.call_method0(intern!(py, "data_ptr"))?.extract()?,
+            len: obj.call_method0(intern!(py, "numel"))?.extract()?,
             dtype,
             writable: true,
             what,

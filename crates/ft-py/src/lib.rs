@@ -26,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<moe::PyMoeExecutor>()?;
     m.add_class::<moe::PyMoeTicket>()?;
     m.add_class::<quant::PyTypeInfo>()?;
+    m.add_class::<quant::PyQuantWeight>()?;
     m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_ids, m)?)?;

@@ -108,71 +108,114 @@ pub fn quantize<'py>(
     Ok(PyBytes::new(py, &out))
 }
 
-/// A quantized weight from Python: `(qtype, bytes, rows)`, its bytes a uint8 host array of
-/// whole rows of `k` elements.
-type WeightSpec<'py> = (u32, Bound<'py, PyAny>, usize);
-
-/// y[T, N] = x[T, K] . W^T for `n` x `k` weights of `qtype` in `w` (uint8), float32 `x` of
-/// `T * k` elements and `y` of `T * n`; `y` may not overlap `w` or `x`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    py: Python<'_>,
-    qtype: u32,
-    w: &Bound<'_, PyAny>,
+/// A quantized weight matrix over host bytes: `n` rows of `k` elements of `qtype`, its size
+/// checked once here, its bytes held (and their buffer kept exported) while it lives.
+#[pyclass(frozen, name = "QuantWeight")]
+pub struct PyQuantWeight {
+    ty: GgmlType,
+    bytes: HostArray,
     n: usize,
     k: usize,
+}
+
+impl PyQuantWeight {
+    /// # Safety
+    /// `self` outlives the returned weight.
+    unsafe fn weight<'a>(&self) -> Result<QuantWeight<'a>> {
+        // SAFETY: the held array outlives the view per the contract; it is only read.
+        QuantWeight::new(
+            unsafe { self.bytes.raw::<u8>().slice() },
+            self.ty,
+            self.n,
+            self.k,
+        )
+    }
+}
+
+#[pymethods]
+impl PyQuantWeight {
+    /// `raw`: uint8 host bytes of exactly `n` rows of `k` elements of `qtype`.
+    #[new]
+    fn new(qtype: u32, raw: &Bound<'_, PyAny>, n: usize, k: usize) -> PyResult<Self> {
+        let w = PyQuantWeight {
+            ty: GgmlType::from_id(qtype).py_err()?,
+            bytes: HostArray::input(raw, Dtype::U8, "weights")?,
+            n,
+            k,
+        };
+        // SAFETY: `w` is alive for the check.
+        unsafe { w.weight() }.py_err()?;
+        Ok(w)
+    }
+
+    /// Rows (output features).
+    #[getter]
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Row length (input features).
+    #[getter]
+    fn k(&self) -> usize {
+        self.k
+    }
+}
+
+/// y[T, n] = x[T, k] . W^T for float32 `x` of `T * k` elements and `y` of `T * n`; `y` may not
+/// overlap the weight's bytes or `x`.
+#[pyfunction]
+pub fn matmul(
+    py: Python<'_>,
+    weight: Bound<'_, PyQuantWeight>,
     x: &Bound<'_, PyAny>,
     y: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    matmul_group(py, vec![(qtype, w.clone(), n)], k, x, vec![y.clone()])
+    matmul_group(py, vec![weight], x, vec![y.clone()])
 }
 
-/// `ys[i] = x . W_i^T` for weights `(qtype, bytes, n_i)` sharing float32 `x` (`T` rows of
-/// `k`); `ys[i]` float32 of `T * n_i` elements. No output may overlap another, a weight or
-/// `x`. One quantization of x per activation type and one pool dispatch for the whole group.
+/// `ys[i] = x . W_i^T` for weights sharing their `k` and float32 `x` (`T` rows of `k`); `ys[i]`
+/// float32 of `T * n_i` elements. No output may overlap another, a weight or `x`. One
+/// quantization of x per activation type and one pool dispatch for the whole group.
 #[pyfunction]
 pub fn matmul_group(
     py: Python<'_>,
-    weights: Vec<WeightSpec<'_>>,
-    k: usize,
+    weights: Vec<Bound<'_, PyQuantWeight>>,
     x: &Bound<'_, PyAny>,
     ys: Vec<Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    if ys.len() != weights.len() {
+    if ys.len() != weights.len() || weights.is_empty() {
         return Err(to_py(Error::Shape(format!(
-            "{} weights but {} outputs",
+            "{} weights and {} outputs: one output per weight, at least one",
             weights.len(),
             ys.len()
         ))));
     }
-    if k == 0 {
-        return Err(to_py(Error::Shape("rows of 0 elements".into())));
+    let k = weights[0].get().k;
+    if let Some(w) = weights.iter().find(|w| w.get().k != k) {
+        return Err(to_py(Error::Shape(format!(
+            "weights of rows of {k} and {} elements share one input",
+            w.get().k
+        ))));
     }
     let x = HostArray::input(x, Dtype::F32, "x")?;
-    let mut ws = Vec::with_capacity(weights.len());
-    for (qtype, w, n) in &weights {
-        let ty = GgmlType::from_id(*qtype).py_err()?;
-        ws.push((ty, HostArray::input(w, Dtype::U8, "weights")?, *n));
-    }
     let ys = ys
         .iter()
         .map(|y| HostArray::output(y, Dtype::F32, "y"))
         .collect::<PyResult<Vec<_>>>()?;
     let outs: Vec<&HostArray> = ys.iter().collect();
-    let mut ins: Vec<&HostArray> = ws.iter().map(|w| &w.1).collect();
+    let mut ins: Vec<&HostArray> = weights.iter().map(|w| &w.get().bytes).collect();
     ins.push(&x);
     check_disjoint(&outs, &ins)?;
     let vx = x.raw::<f32>();
-    let vws: Vec<_> = ws.iter().map(|(t, w, n)| (*t, w.raw::<u8>(), *n)).collect();
+    let ws: Vec<&PyQuantWeight> = weights.iter().map(Bound::get).collect();
     let vys: Vec<_> = ys.iter().map(HostArray::raw::<f32>).collect();
     py.detach(|| -> Result<()> {
-        // SAFETY: every array outlives the call; the outputs are writable and disjoint from
-        // each other and the inputs (checked above).
+        // SAFETY: every array and weight outlives the call; the outputs are writable and
+        // disjoint from each other and the inputs (checked above).
         let xd = unsafe { vx.slice() };
-        let qws = vws
+        let qws = ws
             .iter()
-            .map(|&(t, w, n)| QuantWeight::new(unsafe { w.slice() }, t, n, k))
+            .map(|w| unsafe { w.weight() })
             .collect::<Result<Vec<_>>>()?;
         let mut outs: Vec<&mut [f32]> = vys.iter().map(|y| unsafe { y.slice_mut() }).collect();
         ft_cpu::matmul_group(&pool(), &qws, xd, &mut outs)
