@@ -110,7 +110,7 @@ class GGUFFile:
         """The tensor's bytes as a flat uint8 array sharing the mapping (read-only)."""
         info = self.info(name)
         # The buffer holds the mapping, so it outlives every array made from it.
-        arr = np.frombuffer(self._file.tensor_data(name), dtype=np.uint8)
+        arr = np.frombuffer(memoryview(self._file.tensor_data(name)), dtype=np.uint8)
         assert arr.nbytes == info.nbytes and not arr.flags.writeable
         return arr
 
