@@ -16,6 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 . .venv/bin/activate
 
 maturin develop --release -q
+python -m mypy.stubtest freetoken._core --allowlist scripts/stubtest-allowlist.txt
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -q -- -D warnings

@@ -411,10 +411,7 @@ def test_gpu_pools_hold_the_layers_experts(models: dict[str, Path]) -> None:
         got = gpu.moe_layer(*loop.pools, loop.x, ids, loop.weights, act=ex.layer.act)
         x, ids_h, w = loop.x.cpu(), ids.cpu(), loop.weights.cpu()
         want = torch.empty_like(x)
-        model.moe.executor.run(
-            ex.layer, x.data_ptr(), x.numel(), ids_h.data_ptr(), w.data_ptr(), ids_h.numel(),
-            want.data_ptr(),
-        )  # fmt: skip
+        model.moe.executor.run(ex.layer, x, ids_h, w, want)
         err = (got.cpu() - want).norm() / want.norm()
         # Each side rounds activations its own way (q8_1 on the GPU; q8_K on the CPU for
         # K-quants, up to 2.8% from float64: benches/moe_accuracy.py); measured 2.9% apart on

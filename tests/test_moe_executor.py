@@ -353,8 +353,7 @@ def run(
     skip_negative: bool = False,
 ) -> np.ndarray:
     out = np.full_like(x, np.nan)
-    executor.run(layer, x.ctypes.data, x.size, ids.ctypes.data, w.ctypes.data, ids.size,
-                 out.ctypes.data, skip_negative=skip_negative)  # fmt: skip
+    executor.run(layer, x, ids, w, out, skip_negative=skip_negative)
     return out
 
 
@@ -367,9 +366,7 @@ def submit(
     out: np.ndarray,
     skip_negative: bool = False,
 ) -> Any:
-    return executor.submit(layer, (x, ids, w, out), x.ctypes.data, x.size, ids.ctypes.data,
-                           w.ctypes.data, ids.size, out.ctypes.data,
-                           skip_negative=skip_negative)  # fmt: skip
+    return executor.submit(layer, x, ids, w, out, skip_negative=skip_negative)
 
 
 # -- the reference ---------------------------------------------------------------------------
@@ -567,11 +564,11 @@ def test_one_expert_on_every_token(pair: Pair, executor: _core.MoeExecutor, k: i
     counters = _core.MoeCounters(2)
     layer = open_layer(pair.file, 1, counters, ex)
     check(run(executor, layer, x, ids, w), x, ids, w, ex, executor)
-    snap = Snap(*counters.snapshot()[1][:7])
+    got = snap(counters.snapshot()[1])
     distinct = len(np.unique(ids))
-    assert snap.last_experts == distinct and (k > 1 or distinct == 1)
-    assert snap.last_routes == 33 * k
-    assert snap.last_bytes == distinct * ex.expert_bytes
+    assert got.last_experts == distinct and (k > 1 or distinct == 1)
+    assert got.last_routes == 33 * k
+    assert got.last_bytes == distinct * ex.expert_bytes
 
 
 def test_same_expert_twice_in_a_token(pair: Pair, executor: _core.MoeExecutor) -> None:
@@ -777,7 +774,7 @@ def test_per_expert_layout(executor: _core.MoeExecutor, tmp_path: Path) -> None:
     x = tokens(rng, 33)
     ids, w = routes(rng, 33, 8, 2)
     check(run(executor, layer, x, ids, w), x, ids, w, ex, executor)
-    assert Snap(*counters.snapshot()[0][:7]).last_bytes == len(np.unique(ids)) * ex.expert_bytes
+    assert snap(counters.snapshot()[0]).last_bytes == len(np.unique(ids)) * ex.expert_bytes
 
 
 # -- async -----------------------------------------------------------------------------------
@@ -842,6 +839,10 @@ class Snap(NamedTuple):
     last_bytes: int
 
 
+def snap(c: _core.LayerCounts) -> Snap:
+    return Snap(*(getattr(c, f) for f in Snap._fields))
+
+
 def test_counters(pair: Pair, executor: _core.MoeExecutor) -> None:
     """Routes, distinct experts and weight bytes per layer and step: an expert on n tokens of a
     step is read once."""
@@ -855,7 +856,7 @@ def test_counters(pair: Pair, executor: _core.MoeExecutor) -> None:
         ]
         assert layer.expert_bytes == sum(sizes) == ex.expert_bytes
         per_expert.append(sum(sizes))
-    assert [Snap(*s[:7]) for s in counters.snapshot()] == [Snap(0, 0, 0, 0, 0, 0, 0)] * 2
+    assert [snap(s) for s in counters.snapshot()] == [Snap(0, 0, 0, 0, 0, 0, 0)] * 2
 
     rng = np.random.default_rng(20)
     totals = [[0, 0, 0, 0], [0, 0, 0, 0]]
@@ -870,7 +871,7 @@ def test_counters(pair: Pair, executor: _core.MoeExecutor) -> None:
         last = (t * k, distinct, distinct * per_expert[li])
         for n, v in enumerate((1, *last)):
             totals[li][n] += v
-        assert Snap(*counters.snapshot()[li][:7]) == Snap(*totals[li], *last)
+        assert snap(counters.snapshot()[li]) == Snap(*totals[li], *last)
         if only is not None:
             assert last == (33, 1, per_expert[li])  # 33 tokens on one expert: read once
     assert totals[0][0] == 3 and totals[1][0] == 1
@@ -913,7 +914,7 @@ def test_skipped_routes(pair: Pair, executor: _core.MoeExecutor, t: int, li: int
 
     n, used = int(miss.sum()), np.unique(ids[miss])
     last = (n, len(used), len(used) * ex.expert_bytes)
-    assert Snap(*counters.snapshot()[li][:7]) == Snap(1, *last, *last)
+    assert snap(counters.snapshot()[li]) == Snap(1, *last, *last)
     counts = np.bincount(ids[miss], minlength=ex.n_experts)
     assert counters.expert_counts()[li] == counts.tolist() and counts[only_hits] == 0
 
@@ -925,7 +926,7 @@ def test_skipped_routes(pair: Pair, executor: _core.MoeExecutor, t: int, li: int
     # Every route a hit: zeros, not a step.
     none = np.full_like(ids, -1)
     np.testing.assert_array_equal(run(executor, layer, x, none, w, True), np.zeros_like(x))
-    assert Snap(*counters.snapshot()[li][:7]).steps == 2
+    assert snap(counters.snapshot()[li]).steps == 2
 
     # -1 without the flag, -2 with it: errors, the output untouched.
     bad = masked.copy()
@@ -933,10 +934,9 @@ def test_skipped_routes(pair: Pair, executor: _core.MoeExecutor, t: int, li: int
     for i, flag in ((masked, False), (bad, True)):
         untouched = np.full_like(x, 7.0)
         with pytest.raises(InvalidInputError, match="out of range"):
-            executor.run(layer, x.ctypes.data, x.size, i.ctypes.data, w.ctypes.data, i.size,
-                         untouched.ctypes.data, skip_negative=flag)  # fmt: skip
+            executor.run(layer, x, i, w, untouched, skip_negative=flag)
         assert (untouched == 7.0).all()
-    assert Snap(*counters.snapshot()[li][:7]).steps == 2
+    assert snap(counters.snapshot()[li]).steps == 2
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -973,10 +973,9 @@ def test_bad_expert_ids(small: tuple[GGUFFile, Experts], executor: _core.MoeExec
         ids[3, 1] = bad
         out = np.full_like(x, 7.0)
         with pytest.raises(InvalidInputError, match="out of range"):
-            executor.run(layer, x.ctypes.data, x.size, ids.ctypes.data, w.ctypes.data, ids.size,
-                         out.ctypes.data)  # fmt: skip
+            executor.run(layer, x, ids, w, out)
         assert (out == 7.0).all()
-    assert Snap(*counters.snapshot()[0][:7]).steps == 0  # failed calls are not counted
+    assert snap(counters.snapshot()[0]).steps == 0  # failed calls are not counted
     ids, w = routes(rng, 5, 4, 2)
     check(run(executor, layer, x, ids, w), x, ids, w, ex, executor)  # still fine afterwards
 
@@ -1011,7 +1010,7 @@ def test_bad_layers(small: tuple[GGUFFile, Experts]) -> None:
 
 
 def test_bad_calls(small: tuple[GGUFFile, Experts], executor: _core.MoeExecutor) -> None:
-    """Sizes that do not fit, null or misaligned addresses: errors, output untouched."""
+    """Sizes that do not fit, missing or misaligned arrays: errors, output untouched."""
     f, ex = small
     layer = open_layer(f, 0, _core.MoeCounters(1), ex)
     rng = np.random.default_rng(23)
@@ -1020,22 +1019,27 @@ def test_bad_calls(small: tuple[GGUFFile, Experts], executor: _core.MoeExecutor)
     ids3 = np.zeros(9, dtype=np.int32)  # 9 routes for 4 tokens
     w3 = np.zeros(9, dtype=np.float32)
     out = np.full_like(x, 7.0)
-    xa, ia, wa, oa = x.ctypes.data, ids.ctypes.data, w.ctypes.data, out.ctypes.data
-    cases: list[tuple[type[FreeTokenError], tuple[int, ...]]] = [
-        (ShapeError, (xa, x.size - 1, ia, wa, ids.size, oa)),  # not whole rows
-        (ShapeError, (xa, x.size, ids3.ctypes.data, w3.ctypes.data, 9, oa)),
-        (ShapeError, (xa, x.size, ia, wa, 0, oa)),  # no routes
-        (InvalidInputError, (0, x.size, ia, wa, ids.size, oa)),
-        (InvalidInputError, (xa, x.size, ia, wa, ids.size, 0)),
-        (InvalidInputError, (xa, x.size, ia + 1, wa, ids.size, oa)),  # misaligned
-        (InvalidInputError, (xa + 2, x.size - H, ia, wa, ids.size // 4 * 3, oa)),
+    xf, of = x.reshape(-1), out.reshape(-1)
+
+    def unaligned(a: np.ndarray, by: int) -> np.ndarray:
+        raw = np.zeros(a.nbytes + by, dtype=np.uint8)
+        return np.frombuffer(raw, dtype=a.dtype, count=a.size, offset=by)
+
+    cases: list[tuple[type[FreeTokenError], tuple[Any, ...]]] = [
+        (ShapeError, (xf[:-1], ids, w, of[:-1])),  # not whole rows
+        (ShapeError, (x, ids3, w3, out)),
+        (ShapeError, (x, ids[:0], w[:0], out)),  # no routes
+        (InvalidInputError, (None, ids, w, out)),
+        (InvalidInputError, (x, ids, w, None)),
+        (InvalidInputError, (x, unaligned(ids, 1), w, out)),  # misaligned
+        (InvalidInputError, (unaligned(x, 2), ids, w, out)),
     ]
     for err, args in cases:
         with pytest.raises(err):
             executor.run(layer, *args)
         assert (out == 7.0).all(), args
     # No tokens: nothing to do, nothing touched.
-    executor.run(layer, xa, 0, ia, wa, 0, oa)
+    executor.run(layer, x[:0], ids[:0], w[:0], out[:0])
     assert (out == 7.0).all()
 
 
@@ -1065,7 +1069,7 @@ def test_moe_ffn(pair: Pair, executor: _core.MoeExecutor) -> None:
     out = ffn(x).numpy()
     ids, w = route(x @ router_w.T, routing)
     check(out - 0.5 * x.numpy(), x.numpy(), ids.numpy(), w.numpy(), ex, executor)
-    assert Snap(*counters.snapshot()[1][:7]).last_routes == 17 * 4
+    assert snap(counters.snapshot()[1]).last_routes == 17 * 4
 
 
 # -- the GPU hand-off's host half ----------------------------------------------------------
@@ -1087,8 +1091,7 @@ def test_handoff_serves_missed_routes(pair: Pair, executor: _core.MoeExecutor) -
     resident = np.where(rng.random((2, n_experts)) < 0.4, 1, -1).astype(np.int32)
     counters = _core.MoeCounters(2)
     layers = [open_layer(pair.file, i, counters, pair.experts[i]) for i in (0, 1)]
-    bufs = (block, x, out, ids, w, resident)
-    ticket = executor.serve_handoffs(layers, bufs, *(b.ctypes.data for b in bufs), max_t, k)
+    ticket = executor.serve_handoffs(layers, block, x, out, ids, w, resident, max_t, k)
 
     def request(seq: int, layer: int, t: int) -> None:
         block[2] = (t << 32) | layer

@@ -373,7 +373,9 @@ def test_moe_counters_become_metrics() -> None:
 
     from freetoken.server import _moe_counters
 
-    snap = [(2, 16, 6, 1000, 8, 3, 500), (2, 16, 5, 900, 8, 4, 400)]
+    fields = ("steps", "routes", "experts", "bytes", "last_routes", "last_experts", "last_bytes")
+    rows = [(2, 16, 6, 1000, 8, 3, 500), (2, 16, 5, 900, 8, 4, 400)]
+    snap = [SimpleNamespace(**dict(zip(fields, r, strict=True))) for r in rows]
     counters = SimpleNamespace(snapshot=lambda: snap)
     model = SimpleNamespace(moe=SimpleNamespace(collect=lambda: counters))
     reg = Registry()

@@ -3,9 +3,12 @@
  * Everything else in the library (ggml-base, ggml-cuda) is hidden by the version script, so
  * the extension's own static ggml never interposes with this one.
  *
+ * This header is the source of the ABI: crates/ft-cuda's tests compile it and compare every
+ * constant, struct layout and the pool-size formula with the Rust side.
+ *
  * Layouts follow ggml's mul_mat_id (ne0 fastest):
  *   weights  [K, N, n_slots]     quantized, rows of K elements; the tensor is followed by a
- *                                zeroed tail of row_size(512 - K % 512) bytes when K % 512 != 0
+ *                                zeroed tail (ft_cuda_pool_bytes)
  *   x        [K, n_b, n_tokens]  float32; n_b == 1 broadcasts one row to every slot used
  *   ids      [n_used, n_tokens]  int32 slot ids, distinct within a token
  *   y        [N, n_used, n_tokens] float32
@@ -50,6 +53,24 @@ enum ft_cuda_act {
     FT_CUDA_ACT_SILU = 0,
     FT_CUDA_ACT_GELU = 1, /* tanh approximation, as ggml */
 };
+
+/* ggml-cuda reads up to the next multiple of this many elements past a weight tensor's last row
+ * (its MATRIX_ROW_PADDING), and indexes a tensor's blocks with 32-bit integers. */
+#define FT_CUDA_ROW_PADDING 512
+#define FT_CUDA_MAX_POOL_BLOCKS 2147483647
+
+/* Bytes a pool of n_slots matrices [k, n] of a type of `block_size` elements in `type_size`
+ * bytes needs (k whole blocks): the matrices, then a zeroed tail covering the reads past the
+ * last row, up to the next multiple of FT_CUDA_ROW_PADDING elements in whole blocks. */
+static inline int64_t ft_cuda_pool_bytes(int64_t block_size, int64_t type_size, int64_t k, int64_t n,
+                                         int64_t n_slots) {
+    int64_t bytes = k / block_size * type_size * n * n_slots;
+    if (k % FT_CUDA_ROW_PADDING != 0) {
+        const int64_t pad = FT_CUDA_ROW_PADDING - k % FT_CUDA_ROW_PADDING;
+        bytes += (pad + block_size - 1) / block_size * type_size;
+    }
+    return bytes;
+}
 
 /* flags */
 #define FT_CUDA_CHECK_IDS 1u  /* check ids on the device (range, duplicates): synchronizes */
@@ -181,12 +202,15 @@ typedef struct ft_cuda_norm_rope_args {
 /* Softmax routing with renormalized top-k (Qwen, Mixtral) in one kernel instead of a sort, a
  * softmax, a cast and a count: per token the k largest logits (ties to the lower id), their
  * ids, and the softmax over those k times `scale` (the renormalized top-k of the full
- * softmax); `counts[id] += 1` per route when `counts` is set. */
+ * softmax); `counts[id] += 1` per route when `counts` is set. A thread per expert. */
+#define FT_CUDA_TOPK_MAX_EXPERTS 1024
+#define FT_CUDA_TOPK_MAX_K 32
 typedef struct ft_cuda_topk_softmax_args {
     uint64_t struct_size;
     int32_t device;
     int32_t reserved;
-    int64_t n_tokens, n_experts, top_k; /* n_experts 1..1024, top_k 1..n_experts, at most 32 */
+    int64_t n_tokens, n_experts, top_k; /* n_experts 1..FT_CUDA_TOPK_MAX_EXPERTS, top_k
+                                           1..n_experts, at most FT_CUDA_TOPK_MAX_K */
     int64_t row_stride;                 /* floats from one token's logits to the next's */
     float scale;
     int32_t reserved1;

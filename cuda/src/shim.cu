@@ -48,7 +48,7 @@ static int32_t cuda_fail(cudaError_t err, const char *what) {
 }
 
 // Blocks per tensor stay under 2^31: MMQ/MMVQ index blocks with 32-bit integers.
-static constexpr int64_t MAX_BLOCKS = INT32_MAX;
+static constexpr int64_t MAX_BLOCKS = FT_CUDA_MAX_POOL_BLOCKS;
 // Elements per activation or output tensor, for the same reason.
 static constexpr int64_t MAX_ELEMENTS = INT32_MAX;
 
@@ -197,16 +197,11 @@ static int32_t check_type(int32_t id, ggml_type *out) {
     return FT_CUDA_OK;
 }
 
+static_assert(FT_CUDA_ROW_PADDING == MATRIX_ROW_PADDING, "the ABI's row padding is ggml-cuda's");
+
 // Bytes a pool tensor of `n_slots` matrices [k, n] needs, zeroed tail included.
 static int64_t pool_bytes(ggml_type t, int64_t k, int64_t n, int64_t n_slots) {
-    const int64_t blck = ggml_blck_size(t);
-    int64_t bytes = (int64_t)ggml_row_size(t, k) * n * n_slots;
-    if (k % MATRIX_ROW_PADDING != 0) {
-        int64_t pad = MATRIX_ROW_PADDING - k % MATRIX_ROW_PADDING;
-        pad = (pad + blck - 1) / blck * blck;
-        bytes += (int64_t)ggml_row_size(t, pad);
-    }
-    return bytes;
+    return ft_cuda_pool_bytes(ggml_blck_size(t), (int64_t)ggml_type_size(t), k, n, n_slots);
 }
 
 static int32_t check_pool(const char *what, ggml_type t, int64_t k, int64_t n, int64_t n_slots, const void *p,
@@ -876,8 +871,8 @@ static __global__ void topk_softmax_kernel(ft_cuda_topk_softmax_args a) {
     const float logit = e < a.n_experts ? a.logits[t * a.row_stride + e] : -INFINITY;
     const float mine = isnan(logit) ? -INFINITY : logit;  // a total order: ids stay in range
     bool open = e < a.n_experts;  // not taken yet; any open expert beats padding and taken ones
-    __shared__ float vals[32];
-    __shared__ int ids[32];
+    __shared__ float vals[FT_CUDA_TOPK_MAX_K];
+    __shared__ int ids[FT_CUDA_TOPK_MAX_K];
     for (int j = 0; j < k; ++j) {
         const scored best = block_max(open ? scored{mine, e} : scored{-INFINITY, INT_MAX});
         if (threadIdx.x == 0) {
@@ -910,8 +905,8 @@ static int32_t topk_softmax_locked(const ft_cuda_topk_softmax_args &a) {
     if (a.logits == nullptr || a.ids == nullptr || a.weights == nullptr) {
         return fail(FT_CUDA_EINVAL, "topk_softmax: logits, ids and weights must be non-null");
     }
-    if (a.n_tokens < 1 || a.n_tokens > INT32_MAX || a.n_experts < 1 || a.n_experts > 1024 || a.top_k < 1 ||
-        a.top_k > 32 || a.top_k > a.n_experts || a.row_stride < a.n_experts ||
+    if (a.n_tokens < 1 || a.n_tokens > INT32_MAX || a.n_experts < 1 || a.n_experts > FT_CUDA_TOPK_MAX_EXPERTS ||
+        a.top_k < 1 || a.top_k > FT_CUDA_TOPK_MAX_K || a.top_k > a.n_experts || a.row_stride < a.n_experts ||
         a.n_tokens * a.row_stride > MAX_ELEMENTS) {
         return fail(FT_CUDA_ESHAPE, "topk_softmax: bad sizes (tokens %lld, experts %lld, top-k %lld, stride %lld)",
                     (long long)a.n_tokens, (long long)a.n_experts, (long long)a.top_k, (long long)a.row_stride);

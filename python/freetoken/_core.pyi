@@ -1,45 +1,206 @@
-"""Type stubs of the Rust extension. Buffers cross as (address, length) pairs that the
-Python layer derives from objects it keeps alive for the call."""
+"""Type stubs of the Rust extension (``crates/ft-py``), checked against the built module by
+``stubtest`` in the test command.
 
-from collections.abc import Callable
+Host arrays cross through the buffer protocol (numpy arrays, bytes) or as CPU torch tensors,
+checked in Rust for dtype, C-contiguity, alignment, size and (outputs) writability and
+overlap; raw integer addresses cross only for device memory (the ``cuda_*`` functions)."""
 
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import numpy as np
+import torch
+from typing_extensions import Buffer
+
+#: A host array: a numpy array or other buffer (bytes, memoryview), or a CPU torch tensor.
+_HostArray = Buffer | np.ndarray[Any, Any] | torch.Tensor
+
+__all__ = [
+    "CUDA_ABI_VERSION",
+    "CUDA_ATTN_MAX_KEYS",
+    "CUDA_TOPK_MAX_EXPERTS",
+    "CUDA_TOPK_MAX_K",
+    "HANDOFF_ANSWERED",
+    "HANDOFF_BUSY_NS",
+    "HANDOFF_CPU_SEQ",
+    "HANDOFF_ERROR",
+    "HANDOFF_GPU_SEQ",
+    "HANDOFF_STOP",
+    "HANDOFF_TAG",
+    "HANDOFF_TIMEOUT",
+    "HANDOFF_WORDS",
+    "CachePlan",
+    "CudaDevice",
+    "CudaStatus",
+    "ExpertMatrices",
+    "GGUFFile",
+    "LayerCounts",
+    "MappedBytes",
+    "MoeCounters",
+    "MoeExecutor",
+    "MoeLayer",
+    "MoeTicket",
+    "PoolPlan",
+    "QuantWeight",
+    "SlotCache",
+    "SlotStats",
+    "TensorInfo",
+    "TypeInfo",
+    "Upload",
+    "__version__",
+    "cpu_kernel_isa",
+    "cuda_attn_decode",
+    "cuda_device_info",
+    "cuda_expert_matmul",
+    "cuda_handoff_routes",
+    "cuda_handoff_wait_add",
+    "cuda_kernel_for",
+    "cuda_moe_layer",
+    "cuda_norm_rope",
+    "cuda_pool_nbytes",
+    "cuda_status",
+    "cuda_topk_softmax",
+    "dequantize",
+    "matmul",
+    "matmul_group",
+    "num_threads",
+    "plan_pools",
+    "poll_us",
+    "quantize",
+    "set_num_threads",
+    "type_from_name",
+    "type_ids",
+    "type_info",
+]
 __version__: str
 
-def type_info(id: int) -> tuple[str, int, int, bool, bool, int, bool]: ...
+HANDOFF_WORDS: int
+HANDOFF_GPU_SEQ: int
+HANDOFF_CPU_SEQ: int
+HANDOFF_TAG: int
+HANDOFF_TIMEOUT: int
+HANDOFF_ERROR: int
+HANDOFF_STOP: int
+HANDOFF_ANSWERED: int
+HANDOFF_BUSY_NS: int
+CUDA_ATTN_MAX_KEYS: int
+CUDA_ABI_VERSION: int
+CUDA_TOPK_MAX_EXPERTS: int
+CUDA_TOPK_MAX_K: int
+
+@final
+class TypeInfo:
+    @property
+    def name(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def type_size(self) -> int: ...
+    @property
+    def is_storage(self) -> bool: ...
+    @property
+    def has_vec_dot(self) -> bool: ...
+    @property
+    def vec_dot_type(self) -> int: ...
+    @property
+    def requires_imatrix(self) -> bool: ...
+
+def type_info(id: int) -> TypeInfo: ...
 def type_from_name(name: str) -> int: ...
 def type_ids() -> list[int]: ...
-def dequantize(qtype: int, src: int, src_len: int, dst: int, n: int) -> None: ...
-def quantize(qtype: int, src: int, n: int, n_per_row: int, imatrix: int) -> bytes: ...
-def matmul(qtype: int, w: int, w_len: int, n: int, k: int, x: int, t: int, y: int) -> None: ...
+def dequantize(qtype: int, src: _HostArray, dst: _HostArray) -> None: ...
+def quantize(
+    qtype: int, src: _HostArray, n_per_row: int, imatrix: _HostArray | None = None
+) -> bytes: ...
+
+@final
+class QuantWeight:
+    def __new__(cls, qtype: int, raw: _HostArray, n: int, k: int) -> QuantWeight: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+
+def matmul(weight: QuantWeight, x: _HostArray, y: _HostArray) -> None: ...
 def matmul_group(
-    weights: list[tuple[int, int, int, int]], k: int, x: int, t: int, ys: list[int]
+    weights: Sequence[QuantWeight], x: _HostArray, ys: Sequence[_HostArray]
 ) -> None: ...
 def set_num_threads(n: int, poll_us: int | None = None) -> None: ...
 def num_threads() -> int: ...
 def poll_us() -> int: ...
 def cpu_kernel_isa() -> str: ...
 
+@final
+class TensorInfo:
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> list[int]: ...
+    @property
+    def qtype(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+
+@final
+class MappedBytes:
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
 class GGUFFile:
-    def __init__(
-        self, path: str, mmap: bool = True, progress: Callable[[int, int], None] | None = None
-    ) -> None: ...
+    def __new__(
+        cls,
+        path: str,
+        mmap: bool = True,
+        progress: Callable[[int, int], object] | None = None,
+    ) -> GGUFFile: ...
     @property
     def version(self) -> int: ...
     @property
     def paths(self) -> list[str]: ...
-    def metadata(self) -> dict[str, object]: ...
-    def tensors(self) -> list[tuple[str, list[int], int, int]]: ...
-    def tensor_address(self, name: str) -> tuple[int, int]: ...
+    def metadata(self) -> dict[str, Any]: ...
+    def tensors(self) -> list[TensorInfo]: ...
+    def tensor_data(self, name: str) -> MappedBytes: ...
 
+@final
+class LayerCounts:
+    @property
+    def steps(self) -> int: ...
+    @property
+    def routes(self) -> int: ...
+    @property
+    def experts(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def last_routes(self) -> int: ...
+    @property
+    def last_experts(self) -> int: ...
+    @property
+    def last_bytes(self) -> int: ...
+
+@final
 class MoeCounters:
-    def __init__(self, n_layers: int) -> None: ...
+    def __new__(cls, n_layers: int) -> MoeCounters: ...
     def expert_counts(self) -> list[list[int]]: ...
-    def snapshot(self) -> list[tuple[int, int, int, int, int, int, int]]: ...
+    def snapshot(self) -> list[LayerCounts]: ...
     def add_expert_counts(self, layer: int, counts: list[int]) -> None: ...
 
+@final
+class ExpertMatrices:
+    @property
+    def qtype(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def ranges(self) -> list[tuple[int, int]]: ...
+
+@final
 class MoeLayer:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         file: GGUFFile,
         index: int,
         counters: MoeCounters,
@@ -53,7 +214,7 @@ class MoeLayer:
         act: str = "silu",
         alpha: float = 1.702,
         limit: float = 7.0,
-    ) -> None: ...
+    ) -> MoeLayer: ...
     @property
     def n_experts(self) -> int: ...
     @property
@@ -66,15 +227,17 @@ class MoeLayer:
     def act(self) -> str: ...
     @property
     def has_biases(self) -> bool: ...
-    def matrices(self, kind: str) -> tuple[int, int, int, list[tuple[int, int]]]: ...
+    def matrices(self, kind: str) -> ExpertMatrices: ...
 
+@final
 class MoeTicket:
     def wait(self) -> None: ...
 
+@final
 class MoeExecutor:
-    def __init__(
-        self, n_threads: int, residual_acts: bool = False, poll_us: int | None = None
-    ) -> None: ...
+    def __new__(
+        cls, n_threads: int, residual_acts: bool = False, poll_us: int | None = None
+    ) -> MoeExecutor: ...
     @property
     def n_threads(self) -> int: ...
     @property
@@ -84,42 +247,60 @@ class MoeExecutor:
     def run(
         self,
         layer: MoeLayer,
-        x: int,
-        x_len: int,
-        ids: int,
-        weights: int,
-        n_routes: int,
-        out: int,
+        x: _HostArray,
+        ids: _HostArray,
+        weights: _HostArray,
+        out: _HostArray,
         skip_negative: bool = False,
     ) -> None: ...
     def submit(
         self,
         layer: MoeLayer,
-        owners: object,
-        x: int,
-        x_len: int,
-        ids: int,
-        weights: int,
-        n_routes: int,
-        out: int,
+        x: _HostArray,
+        ids: _HostArray,
+        weights: _HostArray,
+        out: _HostArray,
         skip_negative: bool = False,
     ) -> MoeTicket: ...
     def serve_handoffs(
         self,
         layers: list[MoeLayer],
-        owners: object,
-        block: int,
-        x: int,
-        out: int,
-        ids: int,
-        weights: int,
-        resident: int,
+        block: _HostArray,
+        x: _HostArray,
+        out: _HostArray,
+        ids: _HostArray,
+        weights: _HostArray,
+        resident: _HostArray,
         max_tokens: int,
         top_k: int,
     ) -> MoeTicket: ...
 
-def cuda_status() -> tuple[bool, str, int, bool]: ...
-def cuda_device_info(device: int) -> tuple[str, int, int, int, int]: ...
+@final
+class CudaStatus:
+    @property
+    def available(self) -> bool: ...
+    @property
+    def detail(self) -> str: ...
+    @property
+    def n_devices(self) -> int: ...
+    @property
+    def library_present(self) -> bool: ...
+
+@final
+class CudaDevice:
+    @property
+    def name(self) -> str: ...
+    @property
+    def cc(self) -> int: ...
+    @property
+    def n_sm(self) -> int: ...
+    @property
+    def total_mem(self) -> int: ...
+    @property
+    def free_mem(self) -> int: ...
+
+def cuda_status() -> CudaStatus: ...
+def cuda_device_info(device: int) -> CudaDevice: ...
 def cuda_kernel_for(device: int, qtype: int, n_tokens: int) -> str | None: ...
 def cuda_pool_nbytes(qtype: int, k: int, n: int, n_slots: int) -> int: ...
 def cuda_expert_matmul(
@@ -159,21 +340,20 @@ def cuda_moe_layer(
 def cuda_handoff_routes(
     device: int,
     counter: int,
-    block: int,
+    block: _HostArray,
     stream: int,
     tag: int,
     sizes: tuple[int, int, int, int, int],
     device_ptrs: tuple[int, int, int, int, int, int],
-    host_ptrs: tuple[int, int, int],
+    host: tuple[_HostArray, _HostArray, _HostArray],
 ) -> None: ...
 def cuda_handoff_wait_add(
     device: int,
     counter: int,
-    block: int,
+    block: _HostArray,
     stream: int,
-    src: int,
+    src: _HostArray,
     dst: int,
-    n: int,
     timeout_ns: int,
 ) -> None: ...
 def cuda_topk_softmax(
@@ -199,18 +379,40 @@ def cuda_attn_decode(
     ptrs: tuple[int, int, int, int, int, int],
 ) -> None: ...
 
-CUDA_ATTN_MAX_KEYS: int
-CUDA_ABI_VERSION: int
+@final
+class Upload:
+    @property
+    def layer(self) -> int: ...
+    @property
+    def expert(self) -> int: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def evicted(self) -> tuple[int, int] | None: ...
 
+@final
+class SlotStats:
+    @property
+    def calls(self) -> int: ...
+    @property
+    def hits(self) -> int: ...
+    @property
+    def misses(self) -> int: ...
+    @property
+    def uploads(self) -> int: ...
+    @property
+    def evictions(self) -> int: ...
+
+@final
 class SlotCache:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         n_slots: int,
         n_experts: int,
         policy: str = "lru",
         half_life: float | None = None,
         margin: float | None = None,
-    ) -> None: ...
+    ) -> SlotCache: ...
     @property
     def policy(self) -> str: ...
     @property
@@ -219,55 +421,65 @@ class SlotCache:
     def n_slots(self) -> int: ...
     @property
     def n_experts(self) -> int: ...
-    def place(
-        self, layer: int, ids: int, n_ids: int, n_used: int, out: int, n_out: int
-    ) -> list[tuple[int, int, int, tuple[int, int] | None]]: ...
-    def lookup(
-        self, layer: int, ids: int, n_ids: int, n_used: int, out: int, n_out: int
-    ) -> int: ...
-    def insert(
-        self, layer: int, expert: int
-    ) -> tuple[int, int, int, tuple[int, int] | None] | None: ...
-    def admit(
-        self, layer: int, experts: list[int], max_uploads: int
-    ) -> list[tuple[int, int, int, tuple[int, int] | None]]: ...
+    def place(self, layer: int, ids: _HostArray, n_used: int, out: _HostArray) -> list[Upload]: ...
+    def lookup(self, layer: int, ids: _HostArray, n_used: int, out: _HostArray) -> int: ...
+    def insert(self, layer: int, expert: int) -> Upload | None: ...
+    def admit(self, layer: int, experts: list[int], max_uploads: int) -> list[Upload]: ...
     def score(self, layer: int, expert: int) -> float | None: ...
     def scores(self, layer: int) -> list[float] | None: ...
     def seed(
         self, residents: list[tuple[int, int]], rates: list[float] | None = None
-    ) -> list[tuple[int, int, int, tuple[int, int] | None]]: ...
-    def split_tokens(self, ids: int, n_ids: int, n_used: int) -> list[tuple[int, int]]: ...
+    ) -> list[Upload]: ...
+    def split_tokens(self, ids: _HostArray, n_used: int) -> list[tuple[int, int]]: ...
     def slot_of(self, layer: int, expert: int) -> int | None: ...
     def residents(self) -> list[tuple[int, int] | None]: ...
     def recency(self) -> list[int]: ...
-    def stats(self, layer: int) -> tuple[int, int, int, int, int]: ...
-    def all_stats(self) -> list[tuple[int, tuple[int, int, int, int, int]]]: ...
+    def stats(self, layer: int) -> SlotStats: ...
+    def all_stats(self) -> list[tuple[int, SlotStats]]: ...
     def reset_stats(self) -> None: ...
     def clear(self) -> None: ...
+
+@final
+class PoolPlan:
+    @property
+    def types(self) -> list[int]: ...
+    @property
+    def layers(self) -> list[int]: ...
+    @property
+    def n_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def expert_bytes(self) -> int: ...
+    @property
+    def blocks(self) -> list[int]: ...
+    @property
+    def n_slots(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def residents(self) -> list[tuple[int, int]]: ...
+    @property
+    def coverage(self) -> float | None: ...
+
+@final
+class CachePlan:
+    @property
+    def pools(self) -> list[PoolPlan]: ...
+    @property
+    def used(self) -> int: ...
+    @property
+    def min_bytes(self) -> int: ...
+    @property
+    def all_bytes(self) -> int: ...
+    @property
+    def all_resident(self) -> bool: ...
+    @property
+    def explanation(self) -> str: ...
 
 def plan_pools(
     layers: list[tuple[int, tuple[int, int, int], int, tuple[int, int, int], int, int]],
     budget: int,
     scope: str,
     profile: list[list[int]] | None = None,
-) -> tuple[
-    list[
-        tuple[
-            list[int],
-            list[int],
-            int,
-            int,
-            int,
-            list[int],
-            int,
-            int,
-            list[tuple[int, int]],
-            float | None,
-        ]
-    ],
-    int,
-    int,
-    int,
-    bool,
-    str,
-]: ...
+) -> CachePlan: ...

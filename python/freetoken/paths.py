@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import functools
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 __all__ = ["LlamaPin", "cache_dir", "llama_pin", "llama_tree"]
 

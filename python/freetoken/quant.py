@@ -69,7 +69,17 @@ def qtype_id(qtype: QType) -> int:
 
 @functools.cache
 def _info(type_id: int) -> TypeInfo:
-    return TypeInfo(type_id, *_core.type_info(type_id))
+    t = _core.type_info(type_id)
+    return TypeInfo(
+        type_id,
+        t.name,
+        t.block_size,
+        t.type_size,
+        t.is_storage,
+        t.has_vec_dot,
+        t.vec_dot_type,
+        t.requires_imatrix,
+    )
 
 
 def all_types() -> list[TypeInfo]:
@@ -126,7 +136,7 @@ def dequantize(raw: Any, qtype: QType, shape: Any) -> np.ndarray:
     buf = _byte_view(raw, "raw")
     _check_size(info, shape, buf.nbytes)
     out = np.empty(shape, dtype=np.float32)
-    _core.dequantize(info.id, buf.ctypes.data, buf.nbytes, out.ctypes.data, out.size)
+    _core.dequantize(info.id, buf, out)
     return out
 
 
@@ -143,13 +153,11 @@ def quantize(array: np.ndarray, qtype: QType, imatrix: np.ndarray | None = None)
         raise ShapeError("cannot quantize a scalar")
     k = array.shape[-1]
     info.row_size(k)
-    im = 0
     if imatrix is not None:
         imatrix = _f32_array(imatrix, "imatrix")
         if imatrix.shape != (k,):
             raise ShapeError(f"imatrix must have shape ({k},), got {imatrix.shape}")
-        im = imatrix.ctypes.data
-    return _core.quantize(info.id, array.ctypes.data, array.size, k, im)
+    return _core.quantize(info.id, array, k, imatrix)
 
 
 class QuantMatrix:
@@ -177,11 +185,11 @@ class QuantMatrix:
         """The weight's bytes, a flat uint8 array (shared, not copied)."""
         return self._buf
 
-    @property
-    def spec(self) -> tuple[int, int, int, int]:
-        """(type id, address, bytes, rows): how ``_core.matmul_group`` names this weight; the
-        address stays valid while this object lives."""
-        return (self.info.id, self._buf.ctypes.data, self._buf.nbytes, self.shape[0])
+    @functools.cached_property
+    def spec(self) -> _core.QuantWeight:
+        """The weight as ``_core.matmul_group`` takes it (UnsupportedError for a type without
+        a CPU dot product)."""
+        return _core.QuantWeight(self.info.id, self._buf, *self.shape)
 
     def dequantize(self) -> np.ndarray:
         """The weights as a float32 ``(N, K)`` array."""
@@ -200,7 +208,7 @@ class QuantMatrix:
         if x.ndim not in (1, 2) or x.shape[-1] != k:
             raise ShapeError(f"x must have shape (T, {k}) or ({k},), got {x.shape}")
         y = np.empty((*x.shape[:-1], n), dtype=np.float32)
-        self._run(x.ctypes.data, x.size // k if k else 0, y.ctypes.data)
+        _core.matmul(self.spec, x, y)
         return y
 
     def _matmul_torch(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,10 +224,5 @@ class QuantMatrix:
         if x.dim() not in (1, 2) or x.shape[-1] != k:
             raise ShapeError(f"x must have shape (T, {k}) or ({k},), got {tuple(x.shape)}")
         y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-        self._run(x.data_ptr(), x.numel() // k if k else 0, y.data_ptr())
+        _core.matmul(self.spec, x, y)
         return y
-
-    def _run(self, x_addr: int, t: int, y_addr: int) -> None:
-        n, k = self.shape
-        buf = self._buf
-        _core.matmul(self.info.id, buf.ctypes.data, buf.nbytes, n, k, x_addr, t, y_addr)

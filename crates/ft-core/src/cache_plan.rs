@@ -32,15 +32,46 @@ use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-/// Most blocks one pool tensor may hold: ggml-cuda indexes blocks with 32-bit integers (the
-/// same limit as `ft_cuda::MAX_BLOCKS`, which ft-core cannot see).
+/// Most blocks one pool tensor may hold: ggml-cuda indexes blocks with 32-bit integers
+/// (`FT_CUDA_MAX_POOL_BLOCKS`; `cuda/include/freetoken_cuda.h` is the source of this, the
+/// padding and [`pool_nbytes`], and ft-cuda's tests compare them with it).
 pub const MAX_POOL_BLOCKS: usize = i32::MAX as usize;
 /// ggml-cuda reads up to the next multiple of this many elements past a tensor's last row, so
-/// each pool tensor carries a zeroed tail of less than one row of this many elements.
-const ROW_PADDING: usize = 512;
+/// each pool tensor carries a zeroed tail of less than one row of this many elements
+/// (`FT_CUDA_ROW_PADDING`).
+pub const ROW_PADDING: usize = 512;
 /// Laplace smoothing of profile counts (see the module comment).
 const ALPHA: f64 = 1.0;
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// Bytes a pool of `n_slots` matrices of `n` rows of `k` elements needs on the GPU: the
+/// matrices, then a zeroed tail covering ggml-cuda's reads past the last row (up to the next
+/// multiple of [`ROW_PADDING`] elements). An error when the pool would hold 2^31 blocks or
+/// more.
+pub fn pool_nbytes(ty: GgmlType, k: usize, n: usize, n_slots: usize) -> Result<usize> {
+    if k == 0 || n == 0 || n_slots == 0 {
+        return Err(Error::Shape(format!(
+            "pool shape [{n_slots}, {n}, {k}] has an empty dimension"
+        )));
+    }
+    let row = ty.row_size(k)?;
+    let blocks = (k / ty.block_size())
+        .checked_mul(n)
+        .and_then(|b| b.checked_mul(n_slots));
+    if blocks.is_none_or(|b| b > MAX_POOL_BLOCKS) {
+        return Err(Error::Shape(format!(
+            "a pool of {n_slots} x {n} x {k} {ty} is 2^31 blocks or more; split it \
+             (ggml-cuda indexes blocks with 32-bit integers)"
+        )));
+    }
+    let mut bytes = row * n * n_slots;
+    if !k.is_multiple_of(ROW_PADDING) {
+        let bs = ty.block_size();
+        let pad = (ROW_PADDING - k % ROW_PADDING).div_ceil(bs) * bs;
+        bytes += ty.row_size(pad)?;
+    }
+    Ok(bytes)
+}
 
 /// One MoE layer as the planner sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -578,6 +609,44 @@ fn type_names(types: [u32; 3]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_bytes_include_the_zeroed_tail() {
+        // Q4_0: 32 elements in 18 bytes. K = 768 leaves 256 elements to the next 512.
+        let row = 768 / 32 * 18;
+        assert_eq!(
+            pool_nbytes(GgmlType::Q4_0, 768, 4, 2).unwrap(),
+            row * 8 + 256 / 32 * 18
+        );
+        // K a multiple of 512: no tail.
+        assert_eq!(
+            pool_nbytes(GgmlType::Q8_0, 1024, 3, 5).unwrap(),
+            1024 / 32 * 34 * 15
+        );
+        // Q4_K: 256-element blocks; K = 256 pads by 256.
+        assert_eq!(
+            pool_nbytes(GgmlType::Q4_K, 256, 1, 1).unwrap(),
+            2 * GgmlType::Q4_K.type_size()
+        );
+    }
+
+    #[test]
+    fn pool_limits() {
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 100, 1, 1),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 4096, 4096, 4096),
+            Err(Error::Shape(m)) if m.contains("2^31")
+        ));
+        // Just under the limit is fine: 2^31 - 128 blocks.
+        assert!(pool_nbytes(GgmlType::Q8_0, 32 * 128, 1 << 16, (1 << 8) - 1).is_ok());
+        assert!(matches!(
+            pool_nbytes(GgmlType::Q4_0, 0, 1, 1),
+            Err(Error::Shape(_))
+        ));
+    }
 
     const Q4_0: u32 = 2; // 32 elements in 18 bytes
     const Q8_0: u32 = 8; // 32 elements in 34 bytes

@@ -14,16 +14,29 @@ use std::time::{Duration, Instant};
 
 use crate::moe::SKIP_ROUTE;
 
-/// int64 words of a block (`FT_CUDA_HANDOFF_WORDS`).
-pub const WORDS: usize = 8;
-const GPU_SEQ: usize = 0;
-const CPU_SEQ: usize = 1;
-const TAG: usize = 2;
-const TIMEOUT: usize = 3;
-const ERROR: usize = 4;
-const STOP: usize = 5;
-const ANSWERED: usize = 6;
-const BUSY_NS: usize = 7;
+/// The block's layout: `FT_CUDA_HANDOFF_*` in `cuda/include/freetoken_cuda.h`, which is the
+/// source (ft-cuda's tests compare these with it).
+pub mod words {
+    /// int64 words of a block.
+    pub const WORDS: usize = 8;
+    /// Written by a request: the latest one.
+    pub const GPU_SEQ: usize = 0;
+    /// Written by the host: the latest answer.
+    pub const CPU_SEQ: usize = 1;
+    /// Written by a request: what it is about.
+    pub const TAG: usize = 2;
+    /// Written by the GPU's wait: the request it gave up on.
+    pub const TIMEOUT: usize = 3;
+    /// Written by the host: a request it could not answer.
+    pub const ERROR: usize = 4;
+    /// Written by the host's owner: the host thread may return when idle.
+    pub const STOP: usize = 5;
+    /// Host only: requests answered.
+    pub const ANSWERED: usize = 6;
+    /// Host only: nanoseconds spent answering.
+    pub const BUSY_NS: usize = 7;
+}
+use words::*;
 
 /// Spins before the waiting thread starts yielding its core, then sleeping: a request
 /// usually follows within microseconds; an idle stretch (a long prompt, the host between

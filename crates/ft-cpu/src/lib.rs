@@ -11,7 +11,10 @@ mod moe;
 mod pool;
 
 pub use background::{Background, Ticket};
-pub use handoff::{missed_routes, HandoffBlock, Request as HandoffRequest, WORDS as HANDOFF_WORDS};
+pub use handoff::{
+    missed_routes, words as handoff_words, words::WORDS as HANDOFF_WORDS, HandoffBlock,
+    Request as HandoffRequest,
+};
 pub use kernels::kernel_isa;
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{

@@ -1,8 +1,10 @@
 //! The GPU entry points (`freetoken.engine.gpu` wraps them): thin glue over ft-cuda. Device
 //! memory crosses as addresses of torch CUDA tensors that the Python layer keeps alive and has
-//! checked for dtype, device and contiguity; the stream is torch's current stream.
+//! checked for dtype, device and contiguity; the stream is torch's current stream. Host memory
+//! the GPU maps (the hand-off's block and buffers) crosses as host arrays (`host.rs`).
 
 use crate::errors::IntoPy;
+use crate::host::{check_disjoint, Dtype, HostArray};
 use freetoken_ggml::GgmlType;
 use ft_cuda::{
     Activation, AttnDecode, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope,
@@ -12,6 +14,8 @@ use pyo3::prelude::*;
 
 /// Registers this module's functions on `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCudaStatus>()?;
+    m.add_class::<PyCudaDevice>()?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_kernel_for, m)?)?;
@@ -24,33 +28,78 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
+    m.add("CUDA_TOPK_MAX_EXPERTS", ft_cuda::TOPK_MAX_EXPERTS)?;
+    m.add("CUDA_TOPK_MAX_K", ft_cuda::TOPK_MAX_K)?;
+    use ft_cpu::handoff_words as w;
+    for (name, value) in [
+        ("HANDOFF_WORDS", w::WORDS),
+        ("HANDOFF_GPU_SEQ", w::GPU_SEQ),
+        ("HANDOFF_CPU_SEQ", w::CPU_SEQ),
+        ("HANDOFF_TAG", w::TAG),
+        ("HANDOFF_TIMEOUT", w::TIMEOUT),
+        ("HANDOFF_ERROR", w::ERROR),
+        ("HANDOFF_STOP", w::STOP),
+        ("HANDOFF_ANSWERED", w::ANSWERED),
+        ("HANDOFF_BUSY_NS", w::BUSY_NS),
+    ] {
+        m.add(name, value)?;
+    }
     m.add("CUDA_ABI_VERSION", ft_cuda::ABI_VERSION)?;
     Ok(())
 }
 
-/// (available, the library's path or why there is no GPU, device count, whether a library
-/// file is there at all). Loads the library on first call.
+/// Whether the GPU path is usable: `detail` is the library's path or why there is no GPU;
+/// `library_present`: whether a library file is there at all.
+#[pyclass(frozen, get_all, name = "CudaStatus")]
+pub struct PyCudaStatus {
+    available: bool,
+    detail: String,
+    n_devices: i32,
+    library_present: bool,
+}
+
+/// A CUDA device: compute capability as major*100+minor*10, memory in bytes.
+#[pyclass(frozen, get_all, name = "CudaDevice")]
+pub struct PyCudaDevice {
+    name: String,
+    cc: i32,
+    n_sm: i32,
+    total_mem: u64,
+    free_mem: u64,
+}
+
+/// The GPU library's state; loads the library on first call.
 #[pyfunction]
-pub fn cuda_status(py: Python<'_>) -> (bool, String, i32, bool) {
+pub fn cuda_status(py: Python<'_>) -> PyCudaStatus {
     py.detach(|| match ft_cuda::runtime() {
-        Ok(rt) => (true, rt.path().display().to_string(), rt.n_devices(), true),
-        Err(e) => (
-            false,
-            e.message().to_string(),
-            0,
-            ft_cuda::library_present(),
-        ),
+        Ok(rt) => PyCudaStatus {
+            available: true,
+            detail: rt.path().display().to_string(),
+            n_devices: rt.n_devices(),
+            library_present: true,
+        },
+        Err(e) => PyCudaStatus {
+            available: false,
+            detail: e.message().to_string(),
+            n_devices: 0,
+            library_present: ft_cuda::library_present(),
+        },
     })
 }
 
-/// (name, compute capability as major*100+minor*10, SMs, total bytes, free bytes).
+/// A device's name, compute capability and memory.
 #[pyfunction]
-pub fn cuda_device_info(py: Python<'_>, device: i32) -> PyResult<(String, i32, i32, u64, u64)> {
-    py.detach(|| {
-        let d = ft_cuda::runtime()?.device_info(device)?;
-        Ok((d.name, d.cc, d.n_sm, d.total_mem, d.free_mem))
+pub fn cuda_device_info(py: Python<'_>, device: i32) -> PyResult<PyCudaDevice> {
+    let d = py
+        .detach(|| ft_cuda::runtime()?.device_info(device))
+        .py_err()?;
+    Ok(PyCudaDevice {
+        name: d.name,
+        cc: d.cc,
+        n_sm: d.n_sm,
+        total_mem: d.total_mem,
+        free_mem: d.free_mem,
     })
-    .py_err()
 }
 
 /// "mmvq", "mmq" or None: the kernel serving `qtype` at `n_tokens` tokens.
@@ -170,45 +219,64 @@ pub fn cuda_moe_layer(
     py.detach(|| ft_cuda::runtime()?.moe_layer(&args)).py_err()
 }
 
-/// Queues the wait for the host's answer, then `dst[..n] += src[..n]`
-/// (`ft_cuda::Cuda::handoff_wait_add`).
+/// The hand-off block: int64 `[HANDOFF_WORDS]` host memory the GPU maps (written by both).
+fn handoff_block(block: &Bound<'_, PyAny>) -> PyResult<HostArray> {
+    let b = HostArray::output(block, Dtype::I64, "block")?;
+    b.expect_len(ft_cpu::HANDOFF_WORDS, "the hand-off block")?;
+    Ok(b)
+}
+
+/// Queues the wait for the host's answer, then `dst[..n] += src[..n]` for float32 `src` of
+/// `n` elements in mapped host memory and device `dst` (`ft_cuda::Cuda::handoff_wait_add`).
+/// As with device memory, the caller keeps the block and `src` alive while the work runs.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
 pub fn cuda_handoff_wait_add(
     device: i32,
     counter: usize,
-    block: usize,
+    block: &Bound<'_, PyAny>,
     stream: usize,
-    src: usize,
+    src: &Bound<'_, PyAny>,
     dst: usize,
-    n: usize,
     timeout_ns: u64,
 ) -> PyResult<()> {
-    let h = Handoff::new(device, counter, block, stream);
+    let b = handoff_block(block)?;
+    let src = HostArray::input(src, Dtype::F32, "src")?;
+    check_disjoint(&[&b], &[&src])?;
+    let h = Handoff::new(device, counter, b.raw::<i64>().addr(), stream);
+    let n = src.len();
     ft_cuda::runtime()
-        .and_then(|rt| rt.handoff_wait_add(&h, src, dst, n, timeout_ns))
+        .and_then(|rt| rt.handoff_wait_add(&h, src.raw::<f32>().addr(), dst, n, timeout_ns))
         .py_err()
 }
 
 /// One layer's side of a hand-off request (`ft_cuda::Cuda::handoff_routes`). `sizes` is
 /// (n_tokens, hidden, top_k, n_experts, dummy_base); `device_ptrs` (x, ids, weights, resident,
-/// slots, gpu_weights); `host_ptrs` (x, ids, weights) in registered host memory.
+/// slots, gpu_weights); `host` the host arrays (x float32 `[n_tokens, hidden]`, ids int32 and
+/// weights float32 `[n_tokens, top_k]`) in registered host memory, written by the GPU.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
 pub fn cuda_handoff_routes(
     device: i32,
     counter: usize,
-    block: usize,
+    block: &Bound<'_, PyAny>,
     stream: usize,
     tag: i64,
     sizes: (usize, usize, usize, usize, usize),
     device_ptrs: (usize, usize, usize, usize, usize, usize),
-    host_ptrs: (usize, usize, usize),
+    host: (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>),
 ) -> PyResult<()> {
-    let h = Handoff::new(device, counter, block, stream);
+    let b = handoff_block(block)?;
     let (n_tokens, hidden, top_k, n_experts, dummy_base) = sizes;
     let (x, ids, weights, resident, slots, gpu_weights) = device_ptrs;
-    let (x_host, ids_host, weights_host) = host_ptrs;
+    let x_host = HostArray::output(&host.0, Dtype::F32, "x_host")?;
+    let ids_host = HostArray::output(&host.1, Dtype::I32, "ids_host")?;
+    let weights_host = HostArray::output(&host.2, Dtype::F32, "weights_host")?;
+    x_host.expect_len(n_tokens * hidden, "n_tokens x hidden")?;
+    ids_host.expect_len(n_tokens * top_k, "n_tokens x top_k")?;
+    weights_host.expect_len(n_tokens * top_k, "n_tokens x top_k")?;
+    check_disjoint(&[&b, &x_host, &ids_host, &weights_host], &[])?;
+    let h = Handoff::new(device, counter, b.raw::<i64>().addr(), stream);
     let r = HandoffRoutes {
         tag,
         n_tokens,
@@ -220,9 +288,9 @@ pub fn cuda_handoff_routes(
         ids,
         weights,
         resident,
-        x_host,
-        ids_host,
-        weights_host,
+        x_host: x_host.raw::<f32>().addr(),
+        ids_host: ids_host.raw::<i32>().addr(),
+        weights_host: weights_host.raw::<f32>().addr(),
         slots,
         gpu_weights,
     };

@@ -1,12 +1,27 @@
-//! The mapped GGUF file: metadata as Python values, tensors as (address, length) views that
-//! the Python layer wraps zero-copy and ties to this object's lifetime.
+//! The mapped GGUF file: metadata as Python values, tensors as read-only buffers over the
+//! mapping that the Python layer wraps zero-copy.
 
 use crate::errors::IntoPy;
 use ft_core::gguf::{GgufFile, Value};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+
+/// One tensor of a GGUF file.
+#[pyclass(frozen, get_all, name = "TensorInfo")]
+pub struct PyTensorInfo {
+    /// The tensor's name.
+    name: String,
+    /// Its shape in numpy order (the row last).
+    shape: Vec<usize>,
+    /// Its ggml type id.
+    qtype: u32,
+    /// Its size in bytes.
+    nbytes: usize,
+}
 
 #[pyclass(frozen, name = "GGUFFile")]
 pub struct PyGgufFile {
@@ -86,19 +101,65 @@ impl PyGgufFile {
         Ok(d)
     }
 
-    /// (name, shape in numpy order, type id, bytes) for every tensor, in file order.
-    fn tensors(&self) -> Vec<(String, Vec<usize>, u32, usize)> {
+    /// Every tensor, in file order.
+    fn tensors(&self) -> Vec<PyTensorInfo> {
         self.inner
             .tensors()
             .iter()
-            .map(|t| (t.name.clone(), t.shape.clone(), t.ggml_type.id(), t.nbytes))
+            .map(|t| PyTensorInfo {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                qtype: t.ggml_type.id(),
+                nbytes: t.nbytes,
+            })
             .collect()
     }
 
-    /// (address, length) of a tensor's bytes in the mapping; valid while this object lives.
-    fn tensor_address(&self, name: &str) -> PyResult<(usize, usize)> {
+    /// A tensor's bytes in the mapping, as a read-only buffer that keeps the mapping alive.
+    fn tensor_data(&self, name: &str) -> PyResult<MappedBytes> {
         let t = self.inner.tensor(name).py_err()?;
         let data = self.inner.data(t);
-        Ok((data.as_ptr() as usize, data.len()))
+        Ok(MappedBytes {
+            file: Arc::clone(&self.inner),
+            addr: data.as_ptr() as usize,
+            len: data.len(),
+        })
+    }
+}
+
+/// Bytes of a mapped GGUF file, exported read-only through the buffer protocol
+/// (`numpy.frombuffer`, `memoryview`); holds the mapping while it or a view of it lives.
+#[pyclass(frozen, name = "MappedBytes")]
+pub struct MappedBytes {
+    #[allow(dead_code)] // held: the mapping must outlive every exported view
+    file: Arc<GgufFile>,
+    addr: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl MappedBytes {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol with a view to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (addr, len) = (slf.get().addr, slf.get().len);
+        let len = isize::try_from(len).expect("a mapping is smaller than isize::MAX");
+        // SAFETY: `view` is the caller's; the bytes stay mapped while `slf` (which the view
+        // references) lives; read-only, so a writable request fails with BufferError.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(view, slf.as_ptr(), addr as *mut c_void, len, 1, flags)
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
     }
 }

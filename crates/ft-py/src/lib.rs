@@ -1,10 +1,11 @@
-//! freetoken._core: thin pyo3 glue over the core crates. Arrays cross as (address, length)
-//! pairs checked by the Python layer; the GIL is released around all compute.
+//! freetoken._core: thin pyo3 glue over the core crates. Host arrays cross through the buffer
+//! protocol (or as CPU torch tensors) and are checked here (`host.rs`); raw addresses cross
+//! only for device memory. The GIL is released around all compute.
 
 mod cuda;
 mod errors;
 mod gguf;
-mod memory;
+mod host;
 mod moe;
 mod quant;
 mod slots;
@@ -16,10 +17,16 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<gguf::PyGgufFile>()?;
+    m.add_class::<gguf::MappedBytes>()?;
+    m.add_class::<gguf::PyTensorInfo>()?;
     m.add_class::<moe::PyMoeCounters>()?;
+    m.add_class::<moe::PyLayerCounts>()?;
+    m.add_class::<moe::PyExpertMatrices>()?;
     m.add_class::<moe::PyMoeLayer>()?;
     m.add_class::<moe::PyMoeExecutor>()?;
     m.add_class::<moe::PyMoeTicket>()?;
+    m.add_class::<quant::PyTypeInfo>()?;
+    m.add_class::<quant::PyQuantWeight>()?;
     m.add_function(wrap_pyfunction!(quant::type_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_from_name, m)?)?;
     m.add_function(wrap_pyfunction!(quant::type_ids, m)?)?;

@@ -3,7 +3,7 @@
 
 use crate::errors::{to_py, IntoPy};
 use crate::gguf::PyGgufFile;
-use crate::memory::{slice, slice_mut};
+use crate::host::{check_disjoint, Dtype, HostArray, Raw};
 use freetoken_ggml::{Error, GgmlType, Result};
 use ft_core::counters::MoeCounters;
 use ft_core::experts::ExpertTensor;
@@ -47,25 +47,56 @@ impl PyMoeCounters {
         Ok(())
     }
 
-    /// Per layer: (steps, routes, distinct experts, weight bytes, and the same three for the
-    /// last step).
-    fn snapshot(&self) -> Vec<(u64, u64, u64, u64, u64, u64, u64)> {
+    /// Each layer's counts.
+    fn snapshot(&self) -> Vec<PyLayerCounts> {
         self.inner
             .snapshot()
             .iter()
-            .map(|s| {
-                (
-                    s.steps,
-                    s.routes,
-                    s.experts,
-                    s.bytes,
-                    s.last_routes,
-                    s.last_experts,
-                    s.last_bytes,
-                )
+            .map(|s| PyLayerCounts {
+                steps: s.steps,
+                routes: s.routes,
+                experts: s.experts,
+                bytes: s.bytes,
+                last_routes: s.last_routes,
+                last_experts: s.last_experts,
+                last_bytes: s.last_bytes,
             })
             .collect()
     }
+}
+
+/// One layer's counts since the start, and those of its last step.
+#[pyclass(frozen, get_all, name = "LayerCounts")]
+pub struct PyLayerCounts {
+    /// Steps that routed at least one token.
+    steps: u64,
+    /// Routes computed.
+    routes: u64,
+    /// Distinct experts per step, summed.
+    experts: u64,
+    /// Expert weight bytes read.
+    bytes: u64,
+    /// Routes of the last step.
+    last_routes: u64,
+    /// Distinct experts of the last step.
+    last_experts: u64,
+    /// Expert weight bytes of the last step.
+    last_bytes: u64,
+}
+
+/// One kind of a layer's expert matrices, for engines that copy experts elsewhere (GPU
+/// slots).
+#[pyclass(frozen, get_all, name = "ExpertMatrices")]
+pub struct PyExpertMatrices {
+    /// The ggml type id.
+    qtype: u32,
+    /// Rows per expert matrix.
+    rows: usize,
+    /// Row length.
+    k: usize,
+    /// Each expert's matrix as an (address, bytes) range of the mapping, valid while the
+    /// layer lives (for `cudaHostRegister` and copies to the GPU).
+    ranges: Vec<(usize, usize)>,
 }
 
 fn f32_bias(
@@ -94,9 +125,6 @@ fn f32_bias(
     }
     Ok(Some((t.file, t.offset, t.nbytes)))
 }
-
-/// (type id, rows, k, each expert's (address, bytes)): one kind of a layer's expert matrices.
-type ExpertMatrices = (u32, usize, usize, Vec<(usize, usize)>);
 
 /// One MoE layer: its experts' weights in the mapping, biases, activation, counter slot.
 #[pyclass(frozen, name = "MoeLayer")]
@@ -137,41 +165,22 @@ impl PyMoeLayer {
         }
     }
 
-    fn run(&self, pool: &ThreadPool, args: &CallArgs) -> Result<()> {
-        // `out` becomes a &mut slice: it may not overlap the inputs.
-        let out_end = args.out + args.x_len * 4;
-        let inputs = [
-            (args.x, args.x_len * 4),
-            (args.ids, args.n_routes * 4),
-            (args.weights, args.n_routes * 4),
-        ];
-        if args.x_len > 0
-            && inputs
-                .iter()
-                .any(|&(a, n)| n > 0 && a < out_end && args.out < a + n)
-        {
-            return Err(Error::InvalidInput(
-                "the MoE output overlaps an input".into(),
-            ));
-        }
-        // SAFETY: the Python wrapper derives each address from a live tensor of the stated
-        // length and keeps it alive until the call (or the ticket) is done.
-        let (x, ids, w, out) = unsafe {
-            (
-                slice::<f32>(args.x, args.x_len, "x")?,
-                slice::<i32>(args.ids, args.n_routes, "ids")?,
-                slice::<f32>(args.weights, args.n_routes, "weights")?,
-                slice_mut::<f32>(args.out, args.x_len, "out")?,
-            )
-        };
-        let opts = ForwardOptions {
-            skip_negative: args.skip_negative,
-            residual_acts: args.residual_acts,
-        };
-        let s = moe_forward_with(pool, &self.weights(), x, ids, w, out, opts)?;
+    /// The layer on `x`, `ids`, `weights` into `out` (their shapes checked by the forward).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        ids: &[i32],
+        weights: &[f32],
+        out: &mut [f32],
+        opts: ForwardOptions,
+        record: bool,
+    ) -> Result<()> {
+        let s = moe_forward_with(pool, &self.weights(), x, ids, weights, out, opts)?;
         // An empty batch (or one whose routes were all skipped) is not a step; skipped ids
         // (-1) are not counted per expert.
-        if args.record && s.routes > 0 {
+        if record && s.routes > 0 {
             self.counters
                 .record(self.index, s.routes, s.experts, s.weight_bytes);
             self.counters
@@ -281,10 +290,8 @@ impl PyMoeLayer {
         self.gate.expert_bytes() + self.up.expert_bytes() + self.down.expert_bytes()
     }
 
-    /// Per kind ("gate", "up", "down"): (type id, rows, k, and each expert's matrix as an
-    /// (address, bytes) range of the mapping), for engines that copy experts elsewhere (GPU
-    /// slots). The addresses stay valid while this layer lives.
-    fn matrices(&self, kind: &str) -> PyResult<ExpertMatrices> {
+    /// One kind ("gate", "up", "down") of the layer's expert matrices.
+    fn matrices(&self, kind: &str) -> PyResult<PyExpertMatrices> {
         let t = match kind {
             "gate" => &self.gate,
             "up" => &self.up,
@@ -300,7 +307,12 @@ impl PyMoeLayer {
             .iter()
             .map(|s| (s.as_ptr() as usize, s.len()))
             .collect();
-        Ok((t.ty.id(), t.rows, t.k, ranges))
+        Ok(PyExpertMatrices {
+            qtype: t.ty.id(),
+            rows: t.rows,
+            k: t.k,
+            ranges,
+        })
     }
 
     /// The activation between gate/up and down: "silu", "gelu" or "swiglu_oai".
@@ -320,20 +332,66 @@ impl PyMoeLayer {
     }
 }
 
+/// One call's arrays from Python, checked: dtypes, contiguity, the output writable and
+/// disjoint from the inputs (shapes are the forward's to check).
+struct CallArrays {
+    x: HostArray,
+    ids: HostArray,
+    weights: HostArray,
+    out: HostArray,
+}
+
+impl CallArrays {
+    fn new(
+        x: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let a = CallArrays {
+            x: HostArray::input(x, Dtype::F32, "x")?,
+            ids: HostArray::input(ids, Dtype::I32, "ids")?,
+            weights: HostArray::input(weights, Dtype::F32, "weights")?,
+            out: HostArray::output(out, Dtype::F32, "out")?,
+        };
+        check_disjoint(&[&a.out], &[&a.x, &a.ids, &a.weights])?;
+        Ok(a)
+    }
+
+    fn views(&self) -> CallViews {
+        CallViews {
+            x: self.x.raw(),
+            ids: self.ids.raw(),
+            weights: self.weights.raw(),
+            out: self.out.raw(),
+        }
+    }
+}
+
+/// [`CallArrays`] as views for the work without the GIL.
 #[derive(Clone, Copy)]
-struct CallArgs {
-    x: usize,
-    x_len: usize,
-    ids: usize,
-    weights: usize,
-    n_routes: usize,
-    out: usize,
-    skip_negative: bool,
-    /// The executor's `residual_acts`.
-    residual_acts: bool,
-    /// Count the call in the layer's counters (the hybrid hand-off does not: the GPU counts
-    /// every route of its layers).
-    record: bool,
+struct CallViews {
+    x: Raw<f32>,
+    ids: Raw<i32>,
+    weights: Raw<f32>,
+    out: Raw<f32>,
+}
+
+impl CallViews {
+    /// # Safety
+    /// The [`CallArrays`] these views came from are alive until the call returns.
+    unsafe fn run(self, layer: &PyMoeLayer, pool: &ThreadPool, opts: ForwardOptions) -> Result<()> {
+        // SAFETY: per the contract; `out` is writable and disjoint from the inputs (checked).
+        let (x, ids, w, out) = unsafe {
+            (
+                self.x.slice(),
+                self.ids.slice(),
+                self.weights.slice(),
+                self.out.slice_mut(),
+            )
+        };
+        layer.run(pool, x, ids, w, out, opts, true)
+    }
 }
 
 /// The CPU expert executor: its own thread pool (`--moe-cpu-threads`) and a background thread
@@ -345,11 +403,11 @@ pub struct PyMoeExecutor {
     residual_acts: bool,
 }
 
-/// A submitted call; `wait()` returns when it is done. Holds the call's tensors alive.
+/// A submitted call; `wait()` returns when it is done. Holds the call's arrays alive.
 #[pyclass(name = "MoeTicket")]
 pub struct PyMoeTicket {
     ticket: Mutex<Option<Ticket<Result<()>>>>,
-    _owners: Py<PyAny>,
+    _arrays: Vec<HostArray>,
 }
 
 #[pymethods]
@@ -366,7 +424,7 @@ impl PyMoeTicket {
 
 impl Drop for PyMoeTicket {
     fn drop(&mut self) {
-        // The job reads the owners' memory: never release them before it is done.
+        // The job reads the arrays' memory: never release them before it is done.
         if let Some(t) = self
             .ticket
             .get_mut()
@@ -379,29 +437,11 @@ impl Drop for PyMoeTicket {
 }
 
 impl PyMoeExecutor {
-    /// The arguments of a call from Python (`run`, `submit`): counted in the layer's counters,
-    /// with the executor's activation rounding.
-    #[allow(clippy::too_many_arguments)]
-    fn counted(
-        &self,
-        x: usize,
-        x_len: usize,
-        ids: usize,
-        weights: usize,
-        n_routes: usize,
-        out: usize,
-        skip_negative: bool,
-    ) -> CallArgs {
-        CallArgs {
-            x,
-            x_len,
-            ids,
-            weights,
-            n_routes,
-            out,
+    /// How calls from Python (`run`, `submit`) run: with the executor's activation rounding.
+    fn options(&self, skip_negative: bool) -> ForwardOptions {
+        ForwardOptions {
             skip_negative,
             residual_acts: self.residual_acts,
-            record: true,
         }
     }
 }
@@ -437,76 +477,82 @@ impl PyMoeExecutor {
         self.residual_acts
     }
 
-    /// out[T, H] = the layer's routed experts on x[T, H] (`x_len` = T*H floats), ids and
-    /// weights `[T, k]` (`n_routes` = T*k), synchronously, without the GIL. With
-    /// `skip_negative`, routes whose id is -1 are not computed (their weights ignored, a token
-    /// with none left gets zeros; the counters count the computed routes only); without it
-    /// every id out of range, -1 included, is an error.
-    #[pyo3(signature = (layer, x, x_len, ids, weights, n_routes, out, skip_negative=false))]
+    /// out[T, H] = the layer's routed experts on x[T, H] (float32), ids (int32) and weights
+    /// (float32) `[T, k]`, synchronously, without the GIL. Host arrays: numpy arrays or CPU
+    /// torch tensors, C-contiguous; `out` may not overlap the inputs. With `skip_negative`,
+    /// routes whose id is -1 are not computed (their weights ignored, a token with none left
+    /// gets zeros; the counters count the computed routes only); without it every id out of
+    /// range, -1 included, is an error.
+    #[pyo3(signature = (layer, x, ids, weights, out, skip_negative=false))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         py: Python<'_>,
         layer: &PyMoeLayer,
-        x: usize,
-        x_len: usize,
-        ids: usize,
-        weights: usize,
-        n_routes: usize,
-        out: usize,
+        x: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
         skip_negative: bool,
     ) -> PyResult<()> {
-        let args = self.counted(x, x_len, ids, weights, n_routes, out, skip_negative);
-        py.detach(|| layer.run(&self.pool, &args)).py_err()
+        let arrays = CallArrays::new(x, ids, weights, out)?;
+        let (views, opts) = (arrays.views(), self.options(skip_negative));
+        // SAFETY: `arrays` outlives the call.
+        py.detach(|| unsafe { views.run(layer, &self.pool, opts) })
+            .py_err()
     }
 
-    /// As `run`, on the background thread; `owners` (the tensors behind the addresses) stay
-    /// alive until the ticket is waited for or dropped.
-    #[pyo3(signature = (layer, owners, x, x_len, ids, weights, n_routes, out, skip_negative=false))]
+    /// As `run`, on the background thread; the arrays stay alive (and held) until the ticket
+    /// is waited for or dropped.
+    #[pyo3(signature = (layer, x, ids, weights, out, skip_negative=false))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
         layer: Py<PyMoeLayer>,
-        owners: Py<PyAny>,
-        x: usize,
-        x_len: usize,
-        ids: usize,
-        weights: usize,
-        n_routes: usize,
-        out: usize,
+        x: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
         skip_negative: bool,
-    ) -> PyMoeTicket {
-        let args = self.counted(x, x_len, ids, weights, n_routes, out, skip_negative);
+    ) -> PyResult<PyMoeTicket> {
+        let arrays = CallArrays::new(x, ids, weights, out)?;
+        let (views, opts) = (arrays.views(), self.options(skip_negative));
         let pool = Arc::clone(&self.pool);
+        // SAFETY: the ticket holds `arrays` until the job is done (its drop waits).
         let ticket = self
             .background
-            .submit(move || layer.get().run(&pool, &args));
-        PyMoeTicket {
+            .submit(move || unsafe { views.run(layer.get(), &pool, opts) });
+        let CallArrays {
+            x,
+            ids,
+            weights,
+            out,
+        } = arrays;
+        Ok(PyMoeTicket {
             ticket: Mutex::new(Some(ticket)),
-            _owners: owners,
-        }
+            _arrays: vec![x, ids, weights, out],
+        })
     }
 
     /// Serves GPU hand-off requests (`ft_cpu::HandoffBlock`, docs/hybrid.md) on the background
     /// thread until the block's stop word is set: request (layer `l`, `t` tokens) computes
     /// `layers[l]`'s routes whose expert is not resident (`resident[l, e]` < 0) on
-    /// `x[:t]` into `out[:t]`. Buffers (addresses of memory `owners` keeps alive): `block`
-    /// int64[8]; `x`, `out` float32 `[max_tokens, hidden]`; `ids` int32 and `weights` float32
-    /// `[len(layers), max_tokens, top_k]`; `resident` int32 `[len(layers), n_experts]`, not
-    /// changed while serving.
-    #[pyo3(signature = (layers, owners, block, x, out, ids, weights, resident, max_tokens, top_k))]
+    /// `x[:t]` into `out[:t]`. Host arrays, held until the ticket is done: `block` int64
+    /// `[HANDOFF_WORDS]`; `x`, `out` float32 `[max_tokens, hidden]`; `ids` int32 and `weights`
+    /// float32 `[len(layers), max_tokens, top_k]`; `resident` int32 `[len(layers), n_experts]`,
+    /// not changed while serving. `out` may not overlap the others.
+    #[pyo3(signature = (layers, block, x, out, ids, weights, resident, max_tokens, top_k))]
     #[allow(clippy::too_many_arguments)]
     fn serve_handoffs(
         &self,
         py: Python<'_>,
         layers: Vec<Py<PyMoeLayer>>,
-        owners: Py<PyAny>,
-        block: usize,
-        x: usize,
-        out: usize,
-        ids: usize,
-        weights: usize,
-        resident: usize,
+        block: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+        resident: &Bound<'_, PyAny>,
         max_tokens: usize,
         top_k: usize,
     ) -> PyResult<PyMoeTicket> {
@@ -534,27 +580,40 @@ impl PyMoeExecutor {
         }
         let n_layers = layers.len();
         let per_layer = max_tokens * top_k;
-        // The buffers' sizes, checked once here (the job takes sub-slices of them).
-        // SAFETY: the addresses come from live arrays `owners` keeps until the ticket is done.
-        unsafe {
-            slice::<i64>(block, ft_cpu::HANDOFF_WORDS, "block").py_err()?;
-            slice::<f32>(x, max_tokens * hidden, "x").py_err()?;
-            slice::<f32>(out, max_tokens * hidden, "out").py_err()?;
-            slice::<i32>(ids, n_layers * per_layer, "ids").py_err()?;
-            slice::<f32>(weights, n_layers * per_layer, "weights").py_err()?;
-            slice::<i32>(resident, n_layers * n_experts, "resident").py_err()?;
-        }
+        // The buffers, checked once here (the job takes sub-slices of them). The block is
+        // written through atomics only, so it counts as an output.
+        let block = HostArray::output(block, Dtype::I64, "block")?;
+        let x = HostArray::input(x, Dtype::F32, "x")?;
+        let out = HostArray::output(out, Dtype::F32, "out")?;
+        let ids = HostArray::input(ids, Dtype::I32, "ids")?;
+        let weights = HostArray::input(weights, Dtype::F32, "weights")?;
+        let resident = HostArray::input(resident, Dtype::I32, "resident")?;
+        block.expect_len(ft_cpu::HANDOFF_WORDS, "the hand-off block")?;
+        x.expect_len(max_tokens * hidden, "max_tokens x hidden")?;
+        out.expect_len(max_tokens * hidden, "max_tokens x hidden")?;
+        ids.expect_len(n_layers * per_layer, "layers x max_tokens x top_k")?;
+        weights.expect_len(n_layers * per_layer, "layers x max_tokens x top_k")?;
+        resident.expect_len(n_layers * n_experts, "layers x n_experts")?;
+        check_disjoint(&[&out, &block], &[&x, &ids, &weights, &resident])?;
+        let (vb, vx, vout, vids, vw, vres) = (
+            block.raw::<i64>(),
+            x.raw::<f32>(),
+            out.raw::<f32>(),
+            ids.raw::<i32>(),
+            weights.raw::<f32>(),
+            resident.raw::<i32>(),
+        );
         let layers: Vec<Py<PyMoeLayer>> = layers.into_iter().map(|l| l.clone_ref(py)).collect();
         let pool = Arc::clone(&self.pool);
-        let residual_acts = self.residual_acts;
+        let opts = ForwardOptions {
+            skip_negative: true,
+            residual_acts: self.residual_acts,
+        };
         let job = move || -> Result<()> {
-            // SAFETY: checked above; the owners outlive the job.
-            let (hb, resident) = unsafe {
-                (
-                    HandoffBlock::from_raw(block)?,
-                    slice::<i32>(resident, n_layers * n_experts, "resident")?,
-                )
-            };
+            // SAFETY: the ticket holds every array until the job is done; the block is
+            // shared with the GPU through whole-word atomics, `resident` is not written while
+            // serving, and `out` is disjoint from the rest (checked above).
+            let (hb, resident) = unsafe { (HandoffBlock::from_raw(vb.addr())?, vres.slice()) };
             let mut routes = vec![0i32; per_layer];
             hb.serve(|r| {
                 if r.layer >= n_layers || r.n_tokens == 0 || r.n_tokens > max_tokens {
@@ -565,35 +624,33 @@ impl PyMoeExecutor {
                     )));
                 }
                 let n = r.n_tokens * top_k;
-                let at = (r.layer * per_layer) * 4;
-                // SAFETY: within the checked `ids` buffer; the GPU wrote it before the request.
-                let req = unsafe { slice::<i32>(ids + at, n, "ids")? };
+                let at = r.layer * per_layer;
+                let rows = r.n_tokens * hidden;
+                // SAFETY: sub-views of the checked arrays; the GPU wrote the inputs before the
+                // request and reads `out` only after the answer.
+                let (x, req, w, out) = unsafe {
+                    (
+                        vx.sub(0, rows)?.slice(),
+                        vids.sub(at, n)?.slice(),
+                        vw.sub(at, n)?.slice(),
+                        vout.sub(0, rows)?.slice_mut(),
+                    )
+                };
                 let row = &resident[r.layer * n_experts..(r.layer + 1) * n_experts];
                 if missed_routes(req, row, &mut routes[..n])? == 0 {
                     // Every route hit a slot: zeros, without waking the pool.
-                    // SAFETY: within the checked `out` buffer, which the GPU reads only after
-                    // the answer.
-                    unsafe { slice_mut::<f32>(out, r.n_tokens * hidden, "out")? }.fill(0.0);
+                    out.fill(0.0);
                     return Ok(());
                 }
-                let args = CallArgs {
-                    x,
-                    x_len: r.n_tokens * hidden,
-                    ids: routes.as_ptr() as usize,
-                    weights: weights + at,
-                    n_routes: n,
-                    out,
-                    skip_negative: true,
-                    residual_acts,
-                    record: false,
-                };
-                layers[r.layer].get().run(&pool, &args)
+                layers[r.layer]
+                    .get()
+                    .run(&pool, x, &routes[..n], w, out, opts, false)
             })
             .map(|_| ())
         };
         Ok(PyMoeTicket {
             ticket: Mutex::new(Some(self.background.submit(job))),
-            _owners: owners,
+            _arrays: vec![block, x, out, ids, weights, resident],
         })
     }
 }

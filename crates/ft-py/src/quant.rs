@@ -1,33 +1,50 @@
 //! Quantization entry points: type queries, dequantize, quantize, the quantized product.
 
-use crate::errors::IntoPy;
-use crate::memory::{slice, slice_mut};
+use crate::errors::{to_py, IntoPy};
+use crate::host::{check_disjoint, Dtype, HostArray};
 use crate::threads::pool;
-use freetoken_ggml::{GgmlType, Result};
+use freetoken_ggml::{Error, GgmlType, Result};
 use ft_cpu::QuantWeight;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// (name, block size, type size, storage type?, has a CPU dot product?, vec_dot type id,
-/// requires an importance matrix?) for a type id.
+/// A ggml type's name and block geometry, as `type_info` reports it.
+#[pyclass(frozen, get_all, name = "TypeInfo")]
+pub struct PyTypeInfo {
+    /// The type's name ("Q4_K").
+    name: String,
+    /// Elements per block.
+    block_size: usize,
+    /// Bytes per block.
+    type_size: usize,
+    /// Whether weights may be stored in it (not an activation-only type).
+    is_storage: bool,
+    /// Whether the CPU has a dot product for it.
+    has_vec_dot: bool,
+    /// The activation type its dot product takes (its own id when it has none).
+    vec_dot_type: u32,
+    /// Whether quantizing to it needs an importance matrix.
+    requires_imatrix: bool,
+}
+
+/// The name and block geometry of a type id.
 #[pyfunction]
-pub fn type_info(id: u32) -> PyResult<(String, usize, usize, bool, bool, u32, bool)> {
+pub fn type_info(id: u32) -> PyResult<PyTypeInfo> {
     let t = GgmlType::from_id(id).py_err()?;
-    let has_dot = t.has_vec_dot();
-    let vdt = if has_dot {
-        t.vec_dot_type().id()
-    } else {
-        t.id()
-    };
-    Ok((
-        t.name().to_string(),
-        t.block_size(),
-        t.type_size(),
-        t.is_storage(),
-        has_dot,
-        vdt,
-        t.requires_imatrix(),
-    ))
+    let has_vec_dot = t.has_vec_dot();
+    Ok(PyTypeInfo {
+        name: t.name().to_string(),
+        block_size: t.block_size(),
+        type_size: t.type_size(),
+        is_storage: t.is_storage(),
+        has_vec_dot,
+        vec_dot_type: if has_vec_dot {
+            t.vec_dot_type().id()
+        } else {
+            t.id()
+        },
+        requires_imatrix: t.requires_imatrix(),
+    })
 }
 
 /// The ids of every type this build knows, in id order.
@@ -42,146 +59,165 @@ pub fn type_from_name(name: &str) -> PyResult<u32> {
     GgmlType::from_name(name).map(GgmlType::id).py_err()
 }
 
-/// Dequantizes `src_len` bytes at `src` into `n` float32 at `dst`.
+/// Dequantizes `src` (uint8, whole blocks of `qtype`) into `dst` (float32, as many elements
+/// as `src` holds); `dst` may not overlap `src`.
 #[pyfunction]
 pub fn dequantize(
     py: Python<'_>,
     qtype: u32,
-    src: usize,
-    src_len: usize,
-    dst: usize,
-    n: usize,
+    src: &Bound<'_, PyAny>,
+    dst: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let t = GgmlType::from_id(qtype).py_err()?;
-    py.detach(|| -> Result<()> {
-        // SAFETY: the Python caller holds both buffers alive for the call (memory.rs).
-        let (s, d) = unsafe {
-            (
-                slice::<u8>(src, src_len, "src")?,
-                slice_mut::<f32>(dst, n, "dst")?,
-            )
-        };
-        freetoken_ggml::dequantize(t, s, d)
-    })
-    .py_err()
+    let s = HostArray::input(src, Dtype::U8, "src")?;
+    let d = HostArray::output(dst, Dtype::F32, "dst")?;
+    check_disjoint(&[&d], &[&s])?;
+    let (vs, vd) = (s.raw::<u8>(), d.raw::<f32>());
+    // SAFETY: both arrays outlive the call; `dst` is writable and disjoint from `src`.
+    py.detach(|| freetoken_ggml::dequantize(t, unsafe { vs.slice() }, unsafe { vd.slice_mut() }))
+        .py_err()
 }
 
-/// Quantizes `n` float32 at `src` (rows of `n_per_row`) to `qtype`; `imatrix` is an address of
-/// `n_per_row` float32, or 0 for none.
+/// Quantizes float32 `src` (rows of `n_per_row`) to `qtype`; `imatrix`: `n_per_row` float32
+/// importance weights, or None.
 #[pyfunction]
+#[pyo3(signature = (qtype, src, n_per_row, imatrix=None))]
 pub fn quantize<'py>(
     py: Python<'py>,
     qtype: u32,
-    src: usize,
-    n: usize,
+    src: &Bound<'py, PyAny>,
     n_per_row: usize,
-    imatrix: usize,
+    imatrix: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let t = GgmlType::from_id(qtype).py_err()?;
+    let s = HostArray::input(src, Dtype::F32, "src")?;
+    let im = imatrix
+        .map(|m| HostArray::input(m, Dtype::F32, "imatrix"))
+        .transpose()?;
+    if let Some(m) = &im {
+        m.expect_len(n_per_row, "n_per_row")?;
+    }
+    let (vs, vim) = (s.raw::<f32>(), im.as_ref().map(HostArray::raw::<f32>));
     let out = py
-        .detach(|| -> Result<Vec<u8>> {
-            // SAFETY: the Python caller holds both buffers alive for the call (memory.rs).
-            let s = unsafe { slice::<f32>(src, n, "src")? };
-            let im = if imatrix == 0 {
-                None
-            } else {
-                Some(unsafe { slice::<f32>(imatrix, n_per_row, "imatrix")? })
-            };
-            freetoken_ggml::quantize(t, s, n_per_row, im)
+        .detach(|| {
+            // SAFETY: the arrays outlive the call and are only read.
+            let im = vim.map(|v| unsafe { v.slice() });
+            freetoken_ggml::quantize(t, unsafe { vs.slice() }, n_per_row, im)
         })
         .py_err()?;
     Ok(PyBytes::new(py, &out))
 }
 
-/// y[T, N] = x[T, K] . W^T for `n` x `k` weights of `qtype` at `w` (`w_len` bytes), `t` rows
-/// of float32 at `x`, output `t` x `n` float32 at `y`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    py: Python<'_>,
-    qtype: u32,
-    w: usize,
-    w_len: usize,
+/// A quantized weight matrix over host bytes: `n` rows of `k` elements of `qtype`, its size
+/// checked once here, its bytes held (and their buffer kept exported) while it lives.
+#[pyclass(frozen, name = "QuantWeight")]
+pub struct PyQuantWeight {
+    ty: GgmlType,
+    bytes: HostArray,
     n: usize,
     k: usize,
-    x: usize,
-    t: usize,
-    y: usize,
-) -> PyResult<()> {
-    let qt = GgmlType::from_id(qtype).py_err()?;
-    let len = t.checked_mul(k).zip(t.checked_mul(n));
-    let Some((x_len, y_len)) = len else {
-        return Err(crate::errors::to_py(freetoken_ggml::Error::Shape(format!(
-            "{t} x {k} input overflows"
-        ))));
-    };
-    py.detach(|| -> Result<()> {
-        // SAFETY: the Python caller holds all three buffers alive for the call (memory.rs).
-        let (wd, xd, yd) = unsafe {
-            (
-                slice::<u8>(w, w_len, "weights")?,
-                slice::<f32>(x, x_len, "x")?,
-                slice_mut::<f32>(y, y_len, "y")?,
-            )
-        };
-        QuantWeight::new(wd, qt, n, k)?.matmul(&pool(), xd, yd)
-    })
-    .py_err()
 }
 
-/// `ys[i] = x . W_i^T` for weights `(qtype, address, bytes, n)` sharing `t` rows of `k`
-/// float32 at `x`; `ys[i]` addresses `t * n_i` float32. One quantization of x per activation
-/// type and one pool dispatch for the whole group.
+impl PyQuantWeight {
+    /// # Safety
+    /// `self` outlives the returned weight.
+    unsafe fn weight<'a>(&self) -> Result<QuantWeight<'a>> {
+        // SAFETY: the held array outlives the view per the contract; it is only read.
+        QuantWeight::new(
+            unsafe { self.bytes.raw::<u8>().slice() },
+            self.ty,
+            self.n,
+            self.k,
+        )
+    }
+}
+
+#[pymethods]
+impl PyQuantWeight {
+    /// `raw`: uint8 host bytes of exactly `n` rows of `k` elements of `qtype`.
+    #[new]
+    fn new(qtype: u32, raw: &Bound<'_, PyAny>, n: usize, k: usize) -> PyResult<Self> {
+        let w = PyQuantWeight {
+            ty: GgmlType::from_id(qtype).py_err()?,
+            bytes: HostArray::input(raw, Dtype::U8, "weights")?,
+            n,
+            k,
+        };
+        // SAFETY: `w` is alive for the check.
+        unsafe { w.weight() }.py_err()?;
+        Ok(w)
+    }
+
+    /// Rows (output features).
+    #[getter]
+    fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Row length (input features).
+    #[getter]
+    fn k(&self) -> usize {
+        self.k
+    }
+}
+
+/// y[T, n] = x[T, k] . W^T for float32 `x` of `T * k` elements and `y` of `T * n`; `y` may not
+/// overlap the weight's bytes or `x`.
+#[pyfunction]
+pub fn matmul(
+    py: Python<'_>,
+    weight: Bound<'_, PyQuantWeight>,
+    x: &Bound<'_, PyAny>,
+    y: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    matmul_group(py, vec![weight], x, vec![y.clone()])
+}
+
+/// `ys[i] = x . W_i^T` for weights sharing their `k` and float32 `x` (`T` rows of `k`); `ys[i]`
+/// float32 of `T * n_i` elements. No output may overlap another, a weight or `x`. One
+/// quantization of x per activation type and one pool dispatch for the whole group.
 #[pyfunction]
 pub fn matmul_group(
     py: Python<'_>,
-    weights: Vec<(u32, usize, usize, usize)>,
-    k: usize,
-    x: usize,
-    t: usize,
-    ys: Vec<usize>,
+    weights: Vec<Bound<'_, PyQuantWeight>>,
+    x: &Bound<'_, PyAny>,
+    ys: Vec<Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let types = weights
-        .iter()
-        .map(|w| GgmlType::from_id(w.0))
-        .collect::<Result<Vec<_>>>()
-        .py_err()?;
-    let x_len = t.checked_mul(k).ok_or_else(|| {
-        crate::errors::to_py(freetoken_ggml::Error::Shape(format!("{t} x {k} overflows")))
-    })?;
-    if ys.len() != weights.len() {
-        return Err(crate::errors::to_py(freetoken_ggml::Error::Shape(format!(
-            "{} weights but {} outputs",
+    if ys.len() != weights.len() || weights.is_empty() {
+        return Err(to_py(Error::Shape(format!(
+            "{} weights and {} outputs: one output per weight, at least one",
             weights.len(),
             ys.len()
         ))));
     }
+    let k = weights[0].get().k;
+    if let Some(w) = weights.iter().find(|w| w.get().k != k) {
+        return Err(to_py(Error::Shape(format!(
+            "weights of rows of {k} and {} elements share one input",
+            w.get().k
+        ))));
+    }
+    let x = HostArray::input(x, Dtype::F32, "x")?;
+    let ys = ys
+        .iter()
+        .map(|y| HostArray::output(y, Dtype::F32, "y"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let outs: Vec<&HostArray> = ys.iter().collect();
+    let mut ins: Vec<&HostArray> = weights.iter().map(|w| &w.get().bytes).collect();
+    ins.push(&x);
+    check_disjoint(&outs, &ins)?;
+    let vx = x.raw::<f32>();
+    let ws: Vec<&PyQuantWeight> = weights.iter().map(Bound::get).collect();
+    let vys: Vec<_> = ys.iter().map(HostArray::raw::<f32>).collect();
     py.detach(|| -> Result<()> {
-        // SAFETY: the Python caller holds every buffer alive for the call (memory.rs).
-        let xd = unsafe { slice::<f32>(x, x_len, "x")? };
-        let mut qws = Vec::with_capacity(weights.len());
-        let mut outs = Vec::with_capacity(weights.len());
-        let mut y_lens = Vec::with_capacity(ys.len());
-        let mut ranges = vec![(x, x_len * 4)];
-        for (&(_, _, _, n), &y) in weights.iter().zip(&ys) {
-            let y_len = t
-                .checked_mul(n)
-                .ok_or_else(|| freetoken_ggml::Error::Shape(format!("{t} x {n} overflows")))?;
-            y_lens.push(y_len);
-            ranges.push((y, y_len * 4));
-        }
-        // Outputs become &mut slices: none may overlap another or the input.
-        ranges.sort_unstable();
-        if ranges.windows(2).any(|p| p[0].0 + p[0].1 > p[1].0) {
-            return Err(freetoken_ggml::Error::InvalidInput(
-                "matmul_group outputs overlap each other or the input".into(),
-            ));
-        }
-        for (i, &(_, addr, len, n)) in weights.iter().enumerate() {
-            let wd = unsafe { slice::<u8>(addr, len, "weights")? };
-            qws.push(QuantWeight::new(wd, types[i], n, k)?);
-            outs.push(unsafe { slice_mut::<f32>(ys[i], y_lens[i], "y")? });
-        }
+        // SAFETY: every array and weight outlives the call; the outputs are writable and
+        // disjoint from each other and the inputs (checked above).
+        let xd = unsafe { vx.slice() };
+        let qws = ws
+            .iter()
+            .map(|w| unsafe { w.weight() })
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs: Vec<&mut [f32]> = vys.iter().map(|y| unsafe { y.slice_mut() }).collect();
         ft_cpu::matmul_group(&pool(), &qws, xd, &mut outs)
     })
     .py_err()

@@ -1,11 +1,10 @@
 //! The GPU expert slot cache's bookkeeping and the pool plan (`freetoken.engine.slots` wraps
-//! them): thin glue over ft-core. Route ids and slots cross as (address, length) pairs of int32
-//! arrays that the Python layer has checked for dtype and contiguity and keeps alive for the
-//! call. No GIL release: a call is microseconds of bookkeeping.
+//! them): thin glue over ft-core. Route ids and slots cross as int32 host arrays (`host.rs`).
+//! No GIL release: a call is microseconds of bookkeeping.
 
 use crate::errors::IntoPy;
-use crate::memory::{slice, slice_mut};
-use freetoken_ggml::{Error, Result};
+use crate::host::{check_disjoint, Dtype, HostArray};
+use freetoken_ggml::Error;
 use ft_core::cache_plan::{self, LayerSpec, Scope};
 use ft_core::slot_policy::Policy;
 use ft_core::slots::{SlotCache, SlotStats, Upload};
@@ -14,40 +13,60 @@ use pyo3::prelude::*;
 /// Registers this module's class and function on `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySlotCache>()?;
+    m.add_class::<PyUpload>()?;
+    m.add_class::<PyStats>()?;
+    m.add_class::<PyPoolPlan>()?;
+    m.add_class::<PyCachePlan>()?;
     m.add_function(wrap_pyfunction!(plan_pools, m)?)?;
     Ok(())
 }
 
-/// (layer, expert, slot, evicted (layer, expert) or None).
-type PyUpload = (usize, usize, usize, Option<(usize, usize)>);
-/// (calls, hits, misses, uploads, evictions).
-type PyStats = (u64, u64, u64, u64, u64);
+/// An expert to copy into `slot` before the GPU reads it; `evicted` is the (layer, expert)
+/// the slot held before, if any.
+#[pyclass(frozen, get_all, name = "Upload")]
+pub struct PyUpload {
+    layer: usize,
+    expert: usize,
+    slot: usize,
+    evicted: Option<(usize, usize)>,
+}
 
 fn upload(u: Upload) -> PyUpload {
-    (u.layer, u.expert, u.slot, u.evicted)
+    PyUpload {
+        layer: u.layer,
+        expert: u.expert,
+        slot: u.slot,
+        evicted: u.evicted,
+    }
+}
+
+/// One layer's slot counters (`ft_core::slots::SlotStats`).
+#[pyclass(frozen, get_all, name = "SlotStats")]
+pub struct PyStats {
+    calls: u64,
+    hits: u64,
+    misses: u64,
+    uploads: u64,
+    evictions: u64,
 }
 
 fn stats(s: SlotStats) -> PyStats {
-    (s.calls, s.hits, s.misses, s.uploads, s.evictions)
+    PyStats {
+        calls: s.calls,
+        hits: s.hits,
+        misses: s.misses,
+        uploads: s.uploads,
+        evictions: s.evictions,
+    }
 }
 
-/// The ids and the output slots of one call, which may not overlap (the output becomes a
-/// mutable slice).
-///
-/// # Safety
-/// As [`slice`] and [`slice_mut`]: live int32 buffers of the stated lengths.
-unsafe fn routes<'a>(
-    ids: usize,
-    n_ids: usize,
-    out: usize,
-    n_out: usize,
-) -> Result<(&'a [i32], &'a mut [i32])> {
-    if n_ids > 0 && n_out > 0 && ids < out + n_out * 4 && out < ids + n_ids * 4 {
-        return Err(Error::InvalidInput(
-            "the slots output overlaps the ids".into(),
-        ));
-    }
-    Ok((slice(ids, n_ids, "ids")?, slice_mut(out, n_out, "slots")?))
+/// The ids (int32, read) and the output slots (int32, written, not overlapping the ids) of
+/// one call, checked.
+fn routes(ids: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<(HostArray, HostArray)> {
+    let ids = HostArray::input(ids, Dtype::I32, "ids")?;
+    let out = HostArray::output(out, Dtype::I32, "slots")?;
+    check_disjoint(&[&out], &[&ids])?;
+    Ok((ids, out))
 }
 
 /// The bookkeeping of one slot pool, LRU or adaptive.
@@ -98,34 +117,34 @@ impl PySlotCache {
         self.inner.n_experts()
     }
 
-    /// Offload placement of one call's routes; returns the uploads.
+    /// Offload placement of one call's routes `ids` (int32 `[T, n_used]`) into `out` (int32,
+    /// one slot per route); returns the uploads.
     fn place(
         &mut self,
         layer: usize,
-        ids: usize,
-        n_ids: usize,
+        ids: &Bound<'_, PyAny>,
         n_used: usize,
-        out: usize,
-        n_out: usize,
+        out: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<PyUpload>> {
-        // SAFETY: the Python wrapper passes live, contiguous int32 arrays of these lengths.
-        let (ids, out) = unsafe { routes(ids, n_ids, out, n_out) }.py_err()?;
+        let (ids, out) = routes(ids, out)?;
+        // SAFETY: both arrays live through the call (the GIL is held); `out` is writable and
+        // disjoint from `ids`.
+        let (ids, out) = unsafe { (ids.raw::<i32>().slice(), out.raw::<i32>().slice_mut()) };
         let uploads = self.inner.place(layer, ids, n_used, out).py_err()?;
         Ok(uploads.into_iter().map(upload).collect())
     }
 
-    /// Hybrid lookup of one call's routes; returns the routes that hit.
+    /// Hybrid lookup of one call's routes (as `place`); returns the routes that hit.
     fn lookup(
         &mut self,
         layer: usize,
-        ids: usize,
-        n_ids: usize,
+        ids: &Bound<'_, PyAny>,
         n_used: usize,
-        out: usize,
-        n_out: usize,
+        out: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
+        let (ids, out) = routes(ids, out)?;
         // SAFETY: as in `place`.
-        let (ids, out) = unsafe { routes(ids, n_ids, out, n_out) }.py_err()?;
+        let (ids, out) = unsafe { (ids.raw::<i32>().slice(), out.raw::<i32>().slice_mut()) };
         self.inner.lookup(layer, ids, n_used, out).py_err()
     }
 
@@ -164,14 +183,10 @@ impl PySlotCache {
         Ok(uploads.into_iter().map(upload).collect())
     }
 
-    fn split_tokens(
-        &self,
-        ids: usize,
-        n_ids: usize,
-        n_used: usize,
-    ) -> PyResult<Vec<(usize, usize)>> {
-        // SAFETY: as in `place`.
-        let ids = unsafe { slice::<i32>(ids, n_ids, "ids") }.py_err()?;
+    fn split_tokens(&self, ids: &Bound<'_, PyAny>, n_used: usize) -> PyResult<Vec<(usize, usize)>> {
+        let ids = HostArray::input(ids, Dtype::I32, "ids")?;
+        // SAFETY: the array lives through the call and is only read.
+        let ids = unsafe { ids.raw::<i32>().slice() };
         self.inner.split_tokens(ids, n_used).py_err()
     }
 
@@ -205,37 +220,46 @@ impl PySlotCache {
     }
 }
 
-/// (types, layers, n_experts, top_k, expert_bytes, blocks, n_slots, bytes, residents,
-/// coverage).
-type PyPool = (
-    [u32; 3],
-    Vec<usize>,
-    usize,
-    usize,
-    usize,
-    [usize; 3],
-    usize,
-    usize,
-    Vec<(usize, usize)>,
-    Option<f64>,
-);
+/// One planned slot pool (`ft_core::cache_plan::PoolPlan`).
+#[pyclass(frozen, get_all, name = "PoolPlan")]
+pub struct PyPoolPlan {
+    types: [u32; 3],
+    layers: Vec<usize>,
+    n_experts: usize,
+    top_k: usize,
+    expert_bytes: usize,
+    blocks: [usize; 3],
+    n_slots: usize,
+    bytes: usize,
+    residents: Vec<(usize, usize)>,
+    coverage: Option<f64>,
+}
+
+/// The planned pools and the arithmetic behind them (`ft_core::cache_plan::CachePlan`).
+#[pyclass(frozen, get_all, name = "CachePlan")]
+pub struct PyCachePlan {
+    pools: Vec<Py<PyPoolPlan>>,
+    used: usize,
+    min_bytes: usize,
+    all_bytes: usize,
+    all_resident: bool,
+    explanation: String,
+}
 
 /// (layer, types, expert_bytes, blocks, n_experts, top_k).
 type PyLayer = (usize, [u32; 3], usize, [usize; 3], usize, usize);
-/// (pools, used, min_bytes, all_bytes, all_resident, explanation).
-type PyPlan = (Vec<PyPool>, usize, usize, usize, bool, String);
 
 /// Plans the slot pools. `layers`: (layer, types, expert_bytes, blocks, n_experts, top_k);
 /// `scope`: "type" or "per-layer"; `profile[layer]`: routes per expert (empty for none).
-/// Returns (pools, used, min_bytes, all_bytes, all_resident, explanation).
 #[pyfunction]
 #[pyo3(signature = (layers, budget, scope, profile=None))]
 fn plan_pools(
+    py: Python<'_>,
     layers: Vec<PyLayer>,
     budget: usize,
     scope: &str,
     profile: Option<Vec<Vec<u64>>>,
-) -> PyResult<PyPlan> {
+) -> PyResult<PyCachePlan> {
     let scope = match scope {
         "type" => Scope::PerType,
         "per-layer" => Scope::PerLayer,
@@ -264,26 +288,29 @@ fn plan_pools(
         .pools
         .into_iter()
         .map(|p| {
-            (
-                p.types,
-                p.layers,
-                p.n_experts,
-                p.top_k,
-                p.expert_bytes,
-                p.blocks,
-                p.n_slots,
-                p.bytes,
-                p.residents,
-                p.coverage,
+            Py::new(
+                py,
+                PyPoolPlan {
+                    types: p.types,
+                    layers: p.layers,
+                    n_experts: p.n_experts,
+                    top_k: p.top_k,
+                    expert_bytes: p.expert_bytes,
+                    blocks: p.blocks,
+                    n_slots: p.n_slots,
+                    bytes: p.bytes,
+                    residents: p.residents,
+                    coverage: p.coverage,
+                },
             )
         })
-        .collect();
-    Ok((
+        .collect::<PyResult<_>>()?;
+    Ok(PyCachePlan {
         pools,
-        plan.used,
-        plan.min_bytes,
-        plan.all_bytes,
-        plan.all_resident,
-        plan.explanation,
-    ))
+        used: plan.used,
+        min_bytes: plan.min_bytes,
+        all_bytes: plan.all_bytes,
+        all_resident: plan.all_resident,
+        explanation: plan.explanation,
+    })
 }

@@ -159,7 +159,7 @@ class CpuLoop:
     def _counted(self) -> tuple[int, int]:
         snap = self.counters.snapshot()
         rows = [snap[ex.index] for ex in self.layers]
-        return sum(r[3] for r in rows), sum(r[2] for r in rows)
+        return sum(r.bytes for r in rows), sum(r.experts for r in rows)
 
     def measure(self, seconds: float, stop: threading.Event | None = None) -> Rate:
         """Calls for ``seconds`` (or until ``stop`` is set); the bytes and experts the

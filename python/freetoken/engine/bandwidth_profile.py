@@ -19,7 +19,7 @@ import os
 import platform
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +76,7 @@ def document(
     from freetoken.engine.bandwidth import measure_model
 
     measured = measure_model(model, threads, seconds, mmap)
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     name = os.path.basename(model)
     return {
         "format": FORMAT,

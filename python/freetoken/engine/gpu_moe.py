@@ -64,6 +64,11 @@ class Matrices:
     k: int
     ranges: list[tuple[int, int]]
 
+    @classmethod
+    def of(cls, m: _core.ExpertMatrices) -> Matrices:
+        """The matrices a MoE layer reports (``MoeLayer.matrices``)."""
+        return cls(m.qtype, m.rows, m.k, m.ranges)
+
     @property
     def nbytes(self) -> int:
         return self.ranges[0][1]
@@ -83,7 +88,7 @@ class ExpertLayer:
     def of(cls, ffn: MoeFFN) -> ExpertLayer:
         """The experts of a CPU MoE feed-forward."""
         layer = ffn.layer
-        return cls(layer, ffn.routing.top_k, *(Matrices(*layer.matrices(k)) for k in KINDS))
+        return cls(layer, ffn.routing.top_k, *(Matrices.of(layer.matrices(k)) for k in KINDS))
 
     def spec(self) -> LayerSpec:
         """What the pool planner needs to know of this layer."""

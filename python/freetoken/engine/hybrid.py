@@ -50,8 +50,9 @@ from freetoken.runtime.slots import CachePlan, SlotCache, Upload
 __all__ = ["HybridExperts", "HybridStats", "MappedHost"]
 
 # The hand-off block's words (cuda/include/freetoken_cuda.h, FT_CUDA_HANDOFF_*).
-WORDS = 8
-TIMEOUT, STOP, ANSWERED, BUSY_NS = 3, 5, 6, 7
+WORDS = _core.HANDOFF_WORDS
+TIMEOUT, STOP = _core.HANDOFF_TIMEOUT, _core.HANDOFF_STOP
+ANSWERED, BUSY_NS = _core.HANDOFF_ANSWERED, _core.HANDOFF_BUSY_NS
 #: Most tokens a step splits between the GPU and the CPU (rows of the hand-off buffers).
 MAX_TOKENS = 256
 #: How long the GPU waits for one answer before giving up (the step then fails).
@@ -242,13 +243,12 @@ class HybridExperts(OffloadExperts):
         self.block[STOP] = 0
         self.ticket = self.executor.serve_handoffs(
             [self.all_layers[li].layer for li in self.served],
-            (self.host, self.resident),
-            self.block.ctypes.data,
-            a["x"].ctypes.data,
-            a["out"].ctypes.data,
-            a["ids"].ctypes.data,
-            a["weights"].ctypes.data,
-            self.resident.ctypes.data,
+            self.block,
+            a["x"],
+            a["out"],
+            a["ids"],
+            a["weights"],
+            self.resident,
             MAX_TOKENS,
             self.top_k,
         )
@@ -307,7 +307,7 @@ class HybridExperts(OffloadExperts):
         dummy = cache.n_slots if cache is not None else 0
         slots, w = gpu.handoff_routes(
             self.counter,
-            self.block.ctypes.data,
+            self.block,
             (t << 32) | pos,
             x,
             ids,
@@ -321,7 +321,7 @@ class HybridExperts(OffloadExperts):
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
-        gpu.handoff_wait_add(self.counter, self.block.ctypes.data, v["out"][:t], out, TIMEOUT_S)
+        gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
 
     def _cpu_direct(

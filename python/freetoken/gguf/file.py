@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from os import PathLike
@@ -53,8 +52,8 @@ class GGUFFile:
         self.path = str(path)
         self.metadata: dict[str, Any] = self._file.metadata()
         self.tensors: dict[str, TensorInfo] = {
-            name: TensorInfo(name, tuple(shape), qtype, nbytes)
-            for name, shape, qtype, nbytes in self._file.tensors()
+            t.name: TensorInfo(t.name, tuple(t.shape), t.qtype, t.nbytes)
+            for t in self._file.tensors()
         }
 
     @property
@@ -110,15 +109,9 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a flat uint8 array sharing the mapping (read-only)."""
         info = self.info(name)
-        addr, nbytes = self._file.tensor_address(name)
-        if nbytes == 0:
-            return np.zeros(0, dtype=np.uint8)
-        buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-        # The ctypes view holds the file, so the mapping outlives every array made from it.
-        buf.owner = self._file  # type: ignore[attr-defined]
-        arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
-        arr.flags.writeable = False
-        assert arr.nbytes == info.nbytes
+        # The buffer holds the mapping, so it outlives every array made from it.
+        arr = np.frombuffer(memoryview(self._file.tensor_data(name)), dtype=np.uint8)
+        assert arr.nbytes == info.nbytes and not arr.flags.writeable
         return arr
 
     def array(self, name: str) -> np.ndarray:

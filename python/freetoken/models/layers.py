@@ -40,10 +40,14 @@ class Linear:
         gguf.expect(f"{name}.weight", shape)
         self.name = f"{name}.weight"
         self.weight: QuantMatrix = gguf.matrix(f"{name}.weight")
-        self.spec = self.weight.spec
         self.n, self.k = shape
         bias = f"{name}.bias"
         self.bias = load_vector(gguf, bias, shape[0]) if bias in gguf else None
+
+    @functools.cached_property
+    def spec(self) -> _core.QuantWeight:
+        """The weight as ``_core.matmul_group`` takes it."""
+        return self.weight.spec
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear_group((self,), x)[0]
@@ -61,16 +65,9 @@ def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor
             return group(x)
         return [layer(x) for layer in layers]
     x = x.contiguous()
-    k = x.shape[-1]
     lead = x.shape[:-1]
     ys = [torch.empty((*lead, layer.n), dtype=torch.float32) for layer in layers]
-    _core.matmul_group(
-        [layer.spec for layer in layers],
-        k,
-        x.data_ptr(),
-        x.numel() // k,
-        [y.data_ptr() for y in ys],
-    )
+    _core.matmul_group([layer.spec for layer in layers], x, ys)
     return [y if ly.bias is None else y + ly.bias for y, ly in zip(ys, layers, strict=True)]
 
 

@@ -72,7 +72,8 @@ class DeviceInfo:
 
 def status() -> GpuStatus:
     """Loads the GPU library on first call and reports what it found."""
-    return GpuStatus(*_core.cuda_status())
+    s = _core.cuda_status()
+    return GpuStatus(s.available, s.detail, s.n_devices, s.library_present)
 
 
 def cpu_only_notice(st: GpuStatus, torch_cuda: bool) -> tuple[str, str]:
@@ -94,7 +95,8 @@ def available() -> bool:
 
 def device_info(device: int = 0) -> DeviceInfo:
     """Name, compute capability and memory of ``device``."""
-    return DeviceInfo(*_core.cuda_device_info(device))
+    d = _core.cuda_device_info(device)
+    return DeviceInfo(d.name, d.cc, d.n_sm, d.total_mem, d.free_mem)
 
 
 def kernel_for(qtype: QType, n_tokens: int, device: int = 0) -> str | None:
@@ -356,7 +358,7 @@ def moe_layer(
 
 
 def handoff_wait_add(
-    counter: torch.Tensor, block: int, src: torch.Tensor, dst: torch.Tensor, timeout_s: float
+    counter: torch.Tensor, block: np.ndarray, src: torch.Tensor, dst: torch.Tensor, timeout_s: float
 ) -> None:
     """Queues, on the current stream, the wait for the host's answer to the latest request,
     then ``dst += src`` (``src`` a CPU tensor in mapped page-locked memory, ``dst`` on the
@@ -365,8 +367,6 @@ def handoff_wait_add(
     dev = counter.device
     _check(counter, "counter", torch.int64, (1,), dev)
     _check(dst, "dst", torch.float32, tuple(dst.shape), dev)
-    if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
-        raise InvalidInputError("src must be a contiguous float32 CPU tensor")
     if src.shape != dst.shape:
         raise ShapeError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} differ")
     _core.cuda_handoff_wait_add(
@@ -374,16 +374,15 @@ def handoff_wait_add(
         counter.data_ptr(),
         block,
         _stream(dev),
-        src.data_ptr(),
+        src,
         dst.data_ptr(),
-        dst.numel(),
         int(timeout_s * 1e9),
     )
 
 
 def handoff_routes(
     counter: torch.Tensor,
-    block: int,
+    block: np.ndarray,
     tag: int,
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -406,10 +405,8 @@ def handoff_routes(
     _check(weights, "weights", torch.float32, (t, k), dev)
     _check(resident, "resident", torch.int32, (resident.numel(),), dev)
     for h, d in zip(host, (x, ids, weights), strict=True):
-        if h.device.type != "cpu" or h.dtype != d.dtype or h.shape != d.shape:
-            raise ShapeError(f"host buffer {tuple(h.shape)} {h.dtype} does not match the data")
-        if not h.is_contiguous():
-            raise InvalidInputError("host buffers must be contiguous")
+        if h.shape != d.shape:
+            raise ShapeError(f"host buffer {tuple(h.shape)} does not match the data's shape")
     slots = torch.empty((t, k), dtype=torch.int32, device=dev)
     gpu_weights = torch.empty((t, k), dtype=torch.float32, device=dev)
     _core.cuda_handoff_routes(
@@ -427,7 +424,7 @@ def handoff_routes(
             slots.data_ptr(),
             gpu_weights.data_ptr(),
         ),
-        (host[0].data_ptr(), host[1].data_ptr(), host[2].data_ptr()),
+        host,
     )
     return slots, gpu_weights
 
@@ -566,7 +563,7 @@ def attn_decode(
 
 
 #: The most experts and routes per token :func:`topk_softmax` takes (a thread per expert).
-TOPK_MAX_EXPERTS, TOPK_MAX_K = 1024, 32
+TOPK_MAX_EXPERTS, TOPK_MAX_K = _core.CUDA_TOPK_MAX_EXPERTS, _core.CUDA_TOPK_MAX_K
 
 
 def topk_softmax(

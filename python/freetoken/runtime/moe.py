@@ -73,10 +73,7 @@ def run_experts(
     ``weights`` float32 ``[T, k]``, into ``out`` (a new tensor by default), synchronously."""
     if out is None:
         out = torch.empty_like(x)
-    executor.run(
-        layer, x.data_ptr(), x.numel(), ids.data_ptr(), weights.data_ptr(), ids.numel(),
-        out.data_ptr(),
-    )  # fmt: skip
+    executor.run(layer, x, ids, weights, out)
     return out
 
 

@@ -82,6 +82,14 @@ class SlotStats(NamedTuple):
     evictions: int
 
 
+def _upload(u: _core.Upload) -> Upload:
+    return Upload(u.layer, u.expert, u.slot, u.evicted)
+
+
+def _stats(s: _core.SlotStats) -> SlotStats:
+    return SlotStats(s.calls, s.hits, s.misses, s.uploads, s.evictions)
+
+
 def _ids(ids: Any) -> np.ndarray:
     a = np.asarray(ids)
     if a.dtype != np.int32:
@@ -196,27 +204,22 @@ class SlotCache:
         experts than slots (ShapeError: split the batch with :meth:`split_tokens`)."""
         a = _ids(ids)
         o = _out(out, a)
-        ups = self._c.place(
-            _index(layer, "layer"), a.ctypes.data, a.size, a.shape[1], o.ctypes.data, o.size
-        )
-        return o, [Upload(*u) for u in ups]
+        ups = self._c.place(_index(layer, "layer"), a, a.shape[1], o)
+        return o, [_upload(u) for u in ups]
 
     def lookup(self, layer: int, ids: Any, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """``hybrid``: the slots of the resident experts (touched as recently used), -1 for
         the others, nothing inserted. Returns the slots and how many routes hit."""
         a = _ids(ids)
         o = _out(out, a)
-        hits = self._c.lookup(
-            _index(layer, "layer"), a.ctypes.data, a.size, a.shape[1], o.ctypes.data, o.size
-        )
-        return o, hits
+        return o, self._c.lookup(_index(layer, "layer"), a, a.shape[1], o)
 
     def insert(self, layer: int, expert: int) -> Upload | None:
         """Makes one expert resident: None if it already is (then touched), else the upload,
         which may evict the policy's victim with no admission test and nothing protected: do
         not insert while a computation still reads that slot (:meth:`admit` protects)."""
         u = self._c.insert(_index(layer, "layer"), _index(expert, "expert"))
-        return None if u is None else Upload(*u)
+        return None if u is None else _upload(u)
 
     def admit(self, layer: int, experts: Any, max_uploads: int | None = None) -> list[Upload]:
         """``hybrid`` fill after a step's :meth:`lookup`: which of ``experts`` (the step's
@@ -231,7 +234,7 @@ class SlotCache:
             raise InvalidInputError(f"expert ids must be integers, got {a.dtype}")
         ex = [_index(e, "expert") for e in a.ravel().tolist()]
         cap = len(ex) if max_uploads is None else _index(max_uploads, "max_uploads")
-        return [Upload(*u) for u in self._c.admit(_index(layer, "layer"), ex, cap)]
+        return [_upload(u) for u in self._c.admit(_index(layer, "layer"), ex, cap)]
 
     def score(self, layer: int, expert: int) -> float | None:
         """The adaptive policy's aged route count of one expert; None under LRU."""
@@ -255,13 +258,13 @@ class SlotCache:
         experts before their own routes are counted."""
         pairs = [(_index(la, "layer"), _index(e, "expert")) for la, e in residents]
         r = None if rates is None else [_rate(x) for x in rates]
-        return [Upload(*u) for u in self._c.seed(pairs, r)]
+        return [_upload(u) for u in self._c.seed(pairs, r)]
 
     def split_tokens(self, ids: Any) -> list[tuple[int, int]]:
         """Token ranges ``[start, stop)`` that each name at most ``n_slots`` distinct
         experts, as long as possible: how to split a batch :meth:`place` refuses."""
         a = _ids(ids)
-        return self._c.split_tokens(a.ctypes.data, a.size, a.shape[1])
+        return self._c.split_tokens(a, a.shape[1])
 
     def slot_of(self, layer: int, expert: int) -> int | None:
         """The slot holding the expert, or None (does not count as a use)."""
@@ -278,8 +281,8 @@ class SlotCache:
     def stats(self, layer: int | None = None) -> SlotStats | dict[int, SlotStats]:
         """One layer's counters, or every layer's (by layer) when ``layer`` is None."""
         if layer is None:
-            return {la: SlotStats(*s) for la, s in self._c.all_stats()}
-        return SlotStats(*self._c.stats(_index(layer, "layer")))
+            return {la: _stats(s) for la, s in self._c.all_stats()}
+        return _stats(self._c.stats(_index(layer, "layer")))
 
     def reset_stats(self) -> None:
         """Zeroes every layer's counters."""
@@ -395,29 +398,27 @@ def plan_pools(
         (_index(layer, "layer"), _triple(types), nbytes, _triple(blocks), n_experts, top_k)
         for layer, types, nbytes, blocks, n_experts, top_k in specs
     ]
-    pools, used, min_b, all_b, all_res, text = _core.plan_pools(
-        rows, _index(budget_bytes, "budget_bytes"), scope, counts
-    )
+    plan = _core.plan_pools(rows, _index(budget_bytes, "budget_bytes"), scope, counts)
     return CachePlan(
         pools=tuple(
             PoolPlan(
-                types=_triple(p[0]),
-                layers=tuple(p[1]),
-                n_experts=p[2],
-                top_k=p[3],
-                expert_bytes=p[4],
-                blocks=_triple(p[5]),
-                n_slots=p[6],
-                bytes=p[7],
-                residents=tuple(p[8]),
-                coverage=p[9],
+                types=_triple(p.types),
+                layers=tuple(p.layers),
+                n_experts=p.n_experts,
+                top_k=p.top_k,
+                expert_bytes=p.expert_bytes,
+                blocks=_triple(p.blocks),
+                n_slots=p.n_slots,
+                bytes=p.bytes,
+                residents=tuple(p.residents),
+                coverage=p.coverage,
             )
-            for p in pools
+            for p in plan.pools
         ),
         budget_bytes=int(budget_bytes),
-        used_bytes=used,
-        min_bytes=min_b,
-        all_bytes=all_b,
-        all_resident=all_res,
-        explanation=text,
+        used_bytes=plan.used,
+        min_bytes=plan.min_bytes,
+        all_bytes=plan.all_bytes,
+        all_resident=plan.all_resident,
+        explanation=plan.explanation,
     )

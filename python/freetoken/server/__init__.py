@@ -60,16 +60,26 @@ def _model_names(path: str, alias: str) -> frozenset[str]:
     return frozenset({alias, base, stem, path})
 
 
-#: The MoE engine's per-layer counters (``model.moe.counters.snapshot()`` columns), exported
-#: summed over layers: (metric suffix, kind, help).
+#: The MoE engine's per-layer counters (``model.moe.counters.snapshot()`` fields), exported
+#: summed over layers: (metric suffix, field, kind, help).
 MOE_SERIES = (
-    ("layer_steps_total", "counter", "MoE layer evaluations (layers x forward passes)"),
-    ("routes_total", "counter", "Token-to-expert routes computed"),
-    ("experts_total", "counter", "Distinct experts computed, summed per layer and step"),
-    ("expert_bytes_total", "counter", "Expert weight bytes read"),
-    ("last_step_routes", "gauge", "Routes in the last forward pass, all layers"),
-    ("last_step_experts", "gauge", "Distinct experts in the last forward pass, all layers"),
-    ("last_step_expert_bytes", "gauge", "Expert weight bytes read in the last forward pass"),
+    ("layer_steps_total", "steps", "counter", "MoE layer evaluations (layers x forward passes)"),
+    ("routes_total", "routes", "counter", "Token-to-expert routes computed"),
+    ("experts_total", "experts", "counter", "Distinct experts computed, summed per layer and step"),
+    ("expert_bytes_total", "bytes", "counter", "Expert weight bytes read"),
+    ("last_step_routes", "last_routes", "gauge", "Routes in the last forward pass, all layers"),
+    (
+        "last_step_experts",
+        "last_experts",
+        "gauge",
+        "Distinct experts in the last forward pass, all layers",
+    ),
+    (
+        "last_step_expert_bytes",
+        "last_bytes",
+        "gauge",
+        "Expert weight bytes read in the last forward pass",
+    ),
 )
 
 
@@ -80,10 +90,10 @@ def _moe_counters(model: Any) -> Any:
     def source() -> list[tuple[str, str, str, float]]:
         if moe is None:
             return []
-        sums = [sum(col) for col in zip(*moe.collect().snapshot(), strict=True)] or [0] * 7
+        snap = moe.collect().snapshot()
         return [
-            (f"freetoken_moe_{name}", kind, help_text, float(v))
-            for (name, kind, help_text), v in zip(MOE_SERIES, sums, strict=True)
+            (f"freetoken_moe_{name}", kind, help_text, float(sum(getattr(s, f) for s in snap)))
+            for name, f, kind, help_text in MOE_SERIES
         ]
 
     return source
