@@ -17,8 +17,11 @@
 //! them. Other types and CPUs, and a ggml built without AVX2 (whose kernels round
 //! differently), use ggml's kernel row by row.
 
-use freetoken_ggml::VecDot;
+use crate::isa::{cpu_isa, CpuIsa};
+use freetoken_ggml::{Result, VecDot};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
 
@@ -99,11 +102,24 @@ pub(crate) struct RowDots {
 }
 
 impl RowDots {
-    pub(crate) fn new(kernel: VecDot) -> RowDots {
-        #[cfg(target_arch = "x86_64")]
-        let group = avx512::group_fns(&kernel);
-        #[cfg(not(target_arch = "x86_64"))]
-        let group = None;
+    /// The kernels of the level in use ([`cpu_isa`]: an unknown or unrunnable cap is the
+    /// error).
+    pub(crate) fn new(kernel: VecDot) -> Result<RowDots> {
+        Ok(RowDots::with_isa(kernel, cpu_isa()?))
+    }
+
+    /// The kernels of `level`, which the caller has checked this host runs.
+    pub(crate) fn with_isa(kernel: VecDot, level: CpuIsa) -> RowDots {
+        debug_assert!(level.missing().is_none(), "{level:?} on this host");
+        let group = match level {
+            CpuIsa::Generic => None,
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 => avx2::group_fns(&kernel),
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx512 => avx512::group_fns(&kernel),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => None,
+        };
         RowDots { kernel, group }
     }
 
@@ -219,20 +235,6 @@ impl RowDots {
     }
 }
 
-/// The instruction set of the kernels in use: `avx512-vnni` when this CPU runs the multi-row
-/// kernels here, else `avx2` or `generic` (ggml's row kernels as ggml-cpu was built).
-pub fn kernel_isa() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    if avx512::usable() {
-        return "avx512-vnni";
-    }
-    if freetoken_ggml::cpu_has_avx2() {
-        "avx2"
-    } else {
-        "generic"
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
@@ -264,6 +266,11 @@ mod tests {
         GgmlType::IQ2_S,
         GgmlType::IQ1_M,
     ];
+
+    /// The kernel levels this host runs.
+    pub(super) fn levels() -> impl Iterator<Item = CpuIsa> + Clone {
+        CpuIsa::ALL.into_iter().filter(|l| l.missing().is_none())
+    }
 
     /// xorshift64 bytes.
     fn bytes(n: usize, mut s: u64) -> Vec<u8> {
@@ -320,7 +327,6 @@ mod tests {
                 }
                 let rows = 11; // two groups of four and a tail of three
                 let kernel = VecDot::new(t, k).unwrap();
-                let dots = RowDots::new(kernel);
                 let x: Vec<f32> = bytes(k, k as u64)
                     .iter()
                     .map(|&b| b as f32 / 64.0 - 2.0)
@@ -354,14 +360,16 @@ mod tests {
                 {
                     weights.push(random_blocks(t, rows, k, 7 + k as u64));
                 }
-                for w in &weights {
+                for (w, level) in weights.iter().flat_map(|w| levels().map(move |l| (w, l))) {
+                    let dots = RowDots::with_isa(kernel, level);
                     let rb = kernel.weight_row_bytes();
                     for n in [1, 4, 5, rows] {
                         let mut out = vec![f32::NAN; n];
                         dots.dots(&w[..n * rb], &[&act], &mut out);
                         for (i, o) in out.iter().enumerate() {
                             let want = kernel.dot(&w[i * rb..(i + 1) * rb], &act).unwrap();
-                            assert_eq!(o.to_bits(), want.to_bits(), "{t} k={k} row {i} of {n}");
+                            let (o, want) = (o.to_bits(), want.to_bits());
+                            assert_eq!(o, want, "{t} {level:?} k={k} row {i} of {n}");
                         }
                     }
                 }
@@ -384,7 +392,6 @@ mod tile_tests {
         for t in super::tests::GROUP_TYPES {
             let k = if t.block_size() == 32 { k } else { 256 };
             let kernel = VecDot::new(t, k).unwrap();
-            let dots = RowDots::new(kernel);
             let (ab, rb) = (kernel.act_row_bytes(), kernel.weight_row_bytes());
             let wf: Vec<f32> = (0..11 * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
@@ -392,10 +399,12 @@ mod tile_tests {
             let flat = vec![1f32; k]; // the IQ types need an importance matrix
             let quantized = quantize(t, &wf, k, t.requires_imatrix().then_some(&flat[..])).unwrap();
             let random = super::tests::random_blocks(t, 11, k, 5);
-            for (w, n_tok) in [&quantized, &random]
+            for ((w, n_tok), level) in [&quantized, &random]
                 .into_iter()
-                .flat_map(|w| [1, 3, 4, 7, 8, 9, 13, 19].map(|n| (w, n)))
+                .flat_map(|w| [1, 2, 3, 4, 7, 8, 9, 13, 19, 33].map(|n| (w, n)))
+                .flat_map(|c| super::tests::levels().map(move |l| (c, l)))
             {
+                let dots = RowDots::with_isa(kernel, level);
                 let mut acts = vec![0u8; n_tok * ab];
                 for (tok, a) in acts.chunks_exact_mut(ab).enumerate() {
                     let x: Vec<f32> = (0..k)
@@ -420,10 +429,10 @@ mod tile_tests {
                             let row = &w[r * rb..(r + 1) * rb];
                             let want = kernel.dot(row, one[tok]).unwrap();
                             let v = got[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} token {tok} row {r}");
+                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} {tok} row {r}");
                             let want = want + kernel.dot(row, one[(tok + 1) % n_tok]).unwrap();
                             let v = sum[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} two passes {tok} row {r}");
+                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} 2 {tok} {r}");
                         }
                     }
                 }
@@ -437,18 +446,29 @@ mod dispatch_tests {
     use super::*;
     use freetoken_ggml::GgmlType;
 
-    /// The test above compares the group kernels only where they run: say where that is.
+    /// The types with group kernels at the AVX2 level.
+    const AVX2_TYPES: [GgmlType; 5] = [
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+
+    /// The tests above compare the group kernels only where they run: say where that is.
     #[test]
-    fn group_kernels_run_on_avx512_vnni_cpus() {
-        let available = freetoken_ggml::cpu_has_avx2()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni");
-        let with_kernels = super::tests::GROUP_TYPES.map(|t| (t, true));
-        for (t, fast) in with_kernels.into_iter().chain([(GgmlType::TQ2_0, false)]) {
-            let dots = RowDots::new(VecDot::new(t, 256).unwrap());
-            assert_eq!(dots.group.is_some(), fast && available, "{t}");
+    fn group_kernels_run_at_their_levels() {
+        let types = super::tests::GROUP_TYPES
+            .into_iter()
+            .chain([GgmlType::TQ2_0]);
+        for (t, level) in types.flat_map(|t| super::tests::levels().map(move |l| (t, l))) {
+            let dots = RowDots::with_isa(VecDot::new(t, 256).unwrap(), level);
+            let fast = match level {
+                CpuIsa::Generic => false,
+                CpuIsa::Avx2 => AVX2_TYPES.contains(&t),
+                CpuIsa::Avx512 => t != GgmlType::TQ2_0,
+            };
+            assert_eq!(dots.group.is_some(), fast, "{t} {level:?}");
         }
     }
 }

@@ -5,6 +5,7 @@
 mod acts;
 mod background;
 mod handoff;
+mod isa;
 mod kernels;
 mod matmul;
 mod moe;
@@ -15,7 +16,7 @@ pub use handoff::{
     missed_routes, words as handoff_words, words::WORDS as HANDOFF_WORDS, HandoffBlock,
     Request as HandoffRequest,
 };
-pub use kernels::kernel_isa;
+pub use isa::{cpu_isa, CpuIsa, ISA_VAR};
 pub use matmul::{matmul_group, quantize_rows, QuantWeight};
 pub use moe::{
     moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeStats, MoeWeights,

@@ -145,7 +145,10 @@ pub fn matmul_group(
         .flat_map(|(i, w)| (0..w.n).step_by(per).map(move |r| (i, r)))
         .collect();
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
-    let dots: Vec<RowDots> = ws.iter().map(|w| RowDots::new(w.kernel)).collect();
+    let dots = ws
+        .iter()
+        .map(|w| RowDots::new(w.kernel))
+        .collect::<Result<Vec<_>>>()?;
     let act_rows: Vec<Vec<&[u8]>> = ws
         .iter()
         .zip(&act_of)

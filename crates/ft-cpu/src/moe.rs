@@ -342,7 +342,7 @@ pub fn moe_forward_with(
         Some(quantize_rows_with(pool, &cu, x)?)
     };
     let (agb, aub, adb) = (cg.row_bytes(), cu.row_bytes(), cd.row_bytes());
-    let (dg, du, dd) = (RowDots::new(kg), RowDots::new(ku), RowDots::new(kd));
+    let (dg, du, dd) = (RowDots::new(kg)?, RowDots::new(ku)?, RowDots::new(kd)?);
 
     let threads = pool.n_threads();
     let (up_blocks, down_blocks) = (

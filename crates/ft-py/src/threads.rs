@@ -1,6 +1,7 @@
 //! The process-wide CPU thread pool, sized once by `set_num_threads` (`-t`) or to the
 //! machine's parallelism.
 
+use crate::errors::IntoPy;
 use ft_cpu::ThreadPool;
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
@@ -44,8 +45,9 @@ pub fn poll_us() -> u64 {
     pool().poll().as_micros() as u64
 }
 
-/// The instruction set of the CPU kernels in use (`avx512-vnni`, `avx2` or `generic`).
+/// The level of the CPU kernels in use (`FREETOKEN_CPU_ISA`, or the best this host runs):
+/// "avx512", "avx2" or "generic"; an unknown or unrunnable cap raises.
 #[pyfunction]
-pub fn cpu_kernel_isa() -> &'static str {
-    ft_cpu::kernel_isa()
+pub fn cpu_kernel_isa() -> PyResult<&'static str> {
+    ft_cpu::cpu_isa().map(|l| l.name()).py_err()
 }

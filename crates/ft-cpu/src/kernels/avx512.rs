@@ -1,7 +1,7 @@
+use super::avx2::hsum_float_8;
 use super::{GroupFn, GroupFns, GROUP, TILES};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 /// How far ahead rows are prefetched: one pass. With the executor's gate and up rows read
 /// alternately, a pass at a time, four rows ahead reached 18 GB/s on one thread and
@@ -93,27 +93,10 @@ const fn layout(kind: u8) -> (usize, i8) {
     }
 }
 
-/// Whether this CPU runs these kernels (and ggml's row kernels take their AVX2 paths,
-/// whose rounding they reproduce).
-pub(super) fn usable() -> bool {
-    static USABLE: OnceLock<bool> = OnceLock::new();
-    *USABLE.get_or_init(|| {
-        freetoken_ggml::cpu_has_avx2()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("f16c")
-            && is_x86_feature_detected!("fma")
-    })
-}
-
-/// The group kernels for `kernel`'s types on this CPU, if there are.
+/// The group kernels for `kernel`'s types, on a CPU with AVX-512 F/BW/VL and VNNI and a ggml
+/// whose row kernels take their AVX2 paths (the caller checks both).
 pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
     const _: () = assert!(TILES[0] == 8 && TILES[1] == 4);
-    if !usable() {
-        return None;
-    }
     use super::avx512_k::{
         tile as k, IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K,
     };
@@ -169,17 +152,6 @@ unsafe fn tile<const KIND: u8, const TOK: usize>(
     let acts: [*const u8; TOK] = std::array::from_fn(|t| acts[t]);
     // SAFETY: forwarded.
     out.copy_from_slice(&unsafe { group::<KIND, TOK>(w, rb, acts, blocks) });
-}
-
-/// ggml's `hsum_float_8`, in its order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-fn hsum_float_8(x: __m256) -> f32 {
-    let mut r = _mm256_extractf128_ps::<1>(x);
-    r = _mm_add_ps(r, _mm256_castps256_ps128(x));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    _mm_cvtss_f32(r)
 }
 
 /// The upper eight lanes (avx512dq's `extractf32x8` through an avx512f one).

@@ -108,7 +108,7 @@ pub(super) const IQ1M: u8 = 12;
 const PASS_TOKENS: usize = 4;
 
 /// The eight scales and eight mins of a Q4_K block's 12 packed bytes, as ggml unpacks them.
-fn scales_and_mins(p: [u8; 12]) -> [u8; 16] {
+pub(super) fn scales_and_mins(p: [u8; 12]) -> [u8; 16] {
     let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
     let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
     let (u0, u1, u2) = (w(0), w(1), w(2));

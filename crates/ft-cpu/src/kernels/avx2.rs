@@ -1,0 +1,419 @@
+//! Four rows of Q4_0, Q5_0 or Q8_0 against Q8_0 activation rows, and of Q4_K or Q6_K against
+//! Q8_K ones, with AVX2, FMA and F16C: bit-identical to ggml's AVX2 `ggml_vec_dot_q4_0_q8_0` /
+//! `_q5_0_q8_0` / `_q8_0_q8_0` / `_q4_K_q8_K` / `_q6_K_q8_K` row by row.
+//!
+//! A 256-bit register holds one row's eight 4-value lanes, so the four rows go one after
+//! another; what they share is each activation block's loads, its scale and (for the legacy
+//! types) its offset sum, and with several activation rows each weight block is unpacked once
+//! for all of them. Per block and lane the integer sum is exact in ggml's kernels and here
+//! (nothing saturates at these magnitudes); ggml's Q4_0 and Q5_0 take their offset (8, 16)
+//! off each value before a sign-trick product, these take (offset x the activation's lane sum)
+//! off the lane sum of the unsigned values, the same integer. The f32 operations and their
+//! order are ggml's: the product of the two block scales, one fused multiply-add per block
+//! into eight lanes, `hsum_float_8` at the end (Q4_K: plus its four min lanes' sum).
+
+use super::{GroupFn, GroupFns, GROUP, PASS_ROWS};
+use freetoken_ggml::{GgmlType, VecDot};
+use std::arch::x86_64::*;
+
+/// The weight types (const generic parameters).
+const Q4: u8 = 0;
+const Q5: u8 = 1;
+const Q8: u8 = 2;
+const Q4K: u8 = 3;
+const Q6K: u8 = 4;
+
+/// Bytes of a Q8_0 block: fp16 scale, 32 signed values.
+const Q8_0_BLOCK: usize = 34;
+/// Bytes of a Q8_K block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
+const Q8_K_BLOCK: usize = 292;
+/// Offset of a Q8_K block's sums.
+const Q8_K_SUMS: usize = 4 + 256;
+/// Bytes of a Q4_K block: fp16 d and dmin, 12 bytes of packed 6-bit scales and mins, 128
+/// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
+/// high ones).
+const Q4_K_BLOCK: usize = 144;
+/// Bytes of a Q6_K block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
+/// per 16 values), fp16 d.
+const Q6_K_BLOCK: usize = 210;
+
+/// A legacy block's bytes and the offset its stored values carry: Q4_0 (fp16 scale, 16 bytes
+/// of nibbles, value v - 8), Q5_0 (fp16 scale, 4 bytes of fifth bits, the nibbles, value
+/// v - 16), Q8_0 (signed values, no offset).
+const fn layout(kind: u8) -> (usize, i8) {
+    match kind {
+        Q4 => (18, 8),
+        Q5 => (22, 16),
+        _ => (Q8_0_BLOCK, 0),
+    }
+}
+
+/// Activation rows one pass over the four weight rows serves: its accumulators stay in the
+/// sixteen vector registers (legacy types: a fused multiply-add per block and row), or nearly
+/// (K-quants: one per 256 values).
+const fn pass_tokens(kind: u8) -> usize {
+    if kind == Q4K || kind == Q6K {
+        4
+    } else {
+        2
+    }
+}
+
+/// The group kernels for `kernel`'s types, on a CPU with AVX2, FMA and F16C and a ggml whose
+/// row kernels take their AVX2 paths (the caller checks both).
+pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
+    let fns = |tiles: [GroupFn; 2], one: GroupFn| {
+        Some(GroupFns {
+            tiles,
+            one: Some(one),
+        })
+    };
+    match (kernel.weight_type(), kernel.act_type()) {
+        (GgmlType::Q4_K, GgmlType::Q8_K) => fns([tile::<Q4K, 8>, tile::<Q4K, 4>], tile::<Q4K, 1>),
+        (GgmlType::Q6_K, GgmlType::Q8_K) => fns([tile::<Q6K, 8>, tile::<Q6K, 4>], tile::<Q6K, 1>),
+        _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
+        (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], tile::<Q4, 1>),
+        (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], tile::<Q5, 1>),
+        (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], tile::<Q8, 1>),
+        _ => None,
+    }
+}
+
+/// `TOK` activation rows in passes of [`pass_tokens`].
+///
+/// # Safety
+/// `w` points at four rows of `row_bytes` bytes, each `blocks` 32-value blocks of the weight
+/// type (`KIND`), `acts` at `TOK` activation rows of the paired type as long; the CPU has
+/// AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const KIND: u8, const TOK: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: &[*const u8],
+    blocks: usize,
+    out: &mut [[f32; GROUP]],
+) {
+    assert!(
+        acts.len() == TOK && out.len() == TOK,
+        "a tile of {TOK} tokens"
+    );
+    for (a, o) in acts
+        .chunks(pass_tokens(KIND))
+        .zip(out.chunks_mut(pass_tokens(KIND)))
+    {
+        // SAFETY: forwarded, for a part of the activation rows.
+        unsafe {
+            match a.len() {
+                4 => pass::<KIND, 4>(w, row_bytes, a, blocks, o),
+                3 => pass::<KIND, 3>(w, row_bytes, a, blocks, o),
+                2 => pass::<KIND, 2>(w, row_bytes, a, blocks, o),
+                _ => pass::<KIND, 1>(w, row_bytes, a, blocks, o),
+            }
+        }
+    }
+}
+
+/// # Safety
+/// As [`tile`], `T` activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pass<const KIND: u8, const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: &[*const u8],
+    blocks: usize,
+    out: &mut [[f32; GROUP]],
+) {
+    let acts: [*const u8; T] = std::array::from_fn(|t| acts[t]);
+    // SAFETY: forwarded.
+    let sums = unsafe {
+        match KIND {
+            Q4K => q4_k::<T>(w, row_bytes, acts, blocks / 8),
+            Q6K => q6_k::<T>(w, row_bytes, acts, blocks / 8),
+            _ => legacy::<KIND, T>(w, row_bytes, acts, blocks),
+        }
+    };
+    out.copy_from_slice(&sums);
+}
+
+/// Prefetches one block's share of the four rows [`PASS_ROWS`] ahead: four rows read side by
+/// side are four short streams the hardware prefetcher does not follow. Past the end of the
+/// weights a prefetch is a no-op, never a fault.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead(w: *const u8, row_bytes: usize, b: usize, block: usize) {
+    let ahead = w.wrapping_add(PASS_ROWS * row_bytes + b * GROUP * block);
+    for line in 0..(GROUP * block).div_ceil(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+    }
+}
+
+/// An fp16 value at `p` as f32.
+///
+/// # Safety
+/// Two readable bytes at `p`; the CPU has F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fp16_at(p: *const u8) -> f32 {
+    // SAFETY: per the contract.
+    let bits = unsafe { p.cast::<i16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits)))
+}
+
+/// ggml's `hsum_float_8`, in its order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn hsum_float_8(x: __m256) -> f32 {
+    let mut r = _mm256_extractf128_ps::<1>(x);
+    r = _mm_add_ps(r, _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// A legacy block's 32 values in element order: Q4_0's and Q5_0's unsigned (offset
+/// included), Q8_0's signed.
+///
+/// # Safety
+/// `x` points at a block of the type; the CPU has AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
+    // SAFETY: within the block, per the contract.
+    unsafe {
+        if KIND == Q8 {
+            return _mm256_loadu_si256(x.add(2).cast());
+        }
+        // Low nibbles are elements 0..16, high ones 16..32.
+        let at = if KIND == Q5 { 6 } else { 2 };
+        let q = _mm_loadu_si128(x.add(at).cast());
+        let v = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
+            _mm256_set1_epi8(0x0f),
+        );
+        if KIND == Q4 {
+            return v;
+        }
+        // Byte j becomes 0xff where bit j of the fifth-bit word is set: byte j / 8 of the
+        // word spread over eight bytes, each with all bits but bit j % 8 set.
+        let bits = x.add(2).cast::<i32>().read_unaligned();
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let set = _mm256_cmpeq_epi8(
+            _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe)),
+            _mm256_set1_epi8(-1),
+        );
+        _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    }
+}
+
+/// Four rows of Q4_0, Q5_0 or Q8_0 (`KIND`) against `T` Q8_0 activation rows.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy<const KIND: u8, const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: [*const u8; T],
+    blocks: usize,
+) -> [[f32; GROUP]; T] {
+    let (block, offset) = layout(KIND);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
+    for b in 0..blocks {
+        prefetch_ahead(w, row_bytes, b, block);
+        // SAFETY: block b of the four rows and of each activation row, per the contract.
+        unsafe {
+            let x = [0, 1, 2, 3].map(|r| w.add(r * row_bytes + b * block));
+            let dw = _mm_cvtph_ps(_mm_set_epi64x(
+                0,
+                x.iter().rev().fold(0i64, |v, x| {
+                    (v << 16) | i64::from(x.cast::<u16>().read_unaligned())
+                }),
+            ));
+            let v = x.map(|x| legacy_values::<KIND>(x));
+            for (acc, y) in acc.iter_mut().zip(acts) {
+                let y = y.add(b * Q8_0_BLOCK);
+                let qy = _mm256_loadu_si256(y.add(2).cast());
+                // d_w * d_a per row, as ggml's f32 product.
+                let mut dd = [0f32; GROUP];
+                _mm_storeu_ps(dd.as_mut_ptr(), _mm_mul_ps(dw, _mm_set1_ps(fp16_at(y))));
+                let off =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(offset), qy), ones);
+                for ((acc, v), dd) in acc.iter_mut().zip(v).zip(&dd) {
+                    let lanes = if KIND == Q8 {
+                        // ggml's sign trick: |w| times a with w's sign.
+                        let p =
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(qy, v));
+                        _mm256_madd_epi16(p, ones)
+                    } else {
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, qy), ones);
+                        _mm256_sub_epi32(p, off)
+                    };
+                    *acc =
+                        _mm256_fmadd_ps(_mm256_broadcast_ss(dd), _mm256_cvtepi32_ps(lanes), *acc);
+                }
+            }
+        }
+    }
+    acc.map(|a| a.map(|v| hsum_float_8(v)))
+}
+
+/// Four rows of Q4_K against `T` Q8_K activation rows, `supers` blocks each.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k<const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: [*const u8; T],
+    supers: usize,
+) -> [[f32; GROUP]; T] {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
+    let mut acc_m = [[_mm_setzero_ps(); GROUP]; T];
+    for b in 0..supers {
+        prefetch_ahead(w, row_bytes, b, Q4_K_BLOCK);
+        // SAFETY: block b of the four rows and of each activation row, per the contract.
+        unsafe {
+            let y = acts.map(|a| a.add(b * Q8_K_BLOCK));
+            let yd = y.map(|y| y.cast::<f32>().read_unaligned());
+            // The activation's sums of each 32 values.
+            let q8s = y.map(|y| {
+                _mm_hadd_epi16(
+                    _mm_loadu_si128(y.add(Q8_K_SUMS).cast()),
+                    _mm_loadu_si128(y.add(Q8_K_SUMS + 16).cast()),
+                )
+            });
+            for r in 0..GROUP {
+                let x = w.add(r * row_bytes + b * Q4_K_BLOCK);
+                let sm = super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read());
+                let ms = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr().cast()));
+                let (xd, xdmin) = (fp16_at(x), fp16_at(x.add(2)));
+                let mins = _mm256_extracti128_si256::<1>(ms);
+                let sc = _mm256_castsi256_si128(ms);
+                let scales = _mm256_set_m128i(sc, sc);
+                for t in 0..T {
+                    let prod = _mm_madd_epi16(mins, q8s[t]);
+                    acc_m[t][r] = _mm_fmadd_ps(
+                        _mm_set1_ps(-yd[t] * xdmin),
+                        _mm_cvtepi32_ps(prod),
+                        acc_m[t][r],
+                    );
+                }
+                let mut sumi = [_mm256_setzero_si256(); T];
+                for j in 0..4 {
+                    // Sub-blocks 2j and 2j + 1: their scales as int16 in every lane.
+                    let shuffle = |s: i16| _mm256_set1_epi16(((2 * s + 1) << 8) | (2 * s));
+                    let sl = _mm256_shuffle_epi8(scales, shuffle(2 * j as i16));
+                    let sh = _mm256_shuffle_epi8(scales, shuffle(2 * j as i16 + 1));
+                    let q4 = _mm256_loadu_si256(x.add(16 + 32 * j).cast());
+                    let q4l = _mm256_and_si256(q4, m4);
+                    let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+                    for (s, y) in sumi.iter_mut().zip(y) {
+                        let q8l = _mm256_loadu_si256(y.add(4 + 64 * j).cast());
+                        let q8h = _mm256_loadu_si256(y.add(4 + 64 * j + 32).cast());
+                        let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(q4l, q8l));
+                        let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(q4h, q8h));
+                        *s = _mm256_add_epi32(*s, _mm256_add_epi32(pl, ph));
+                    }
+                }
+                for t in 0..T {
+                    let d = _mm256_set1_ps(yd[t] * xd);
+                    acc[t][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[t]), acc[t][r]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|t| {
+        std::array::from_fn(|r| {
+            // ggml's reduction of its four min lanes, then its final sum.
+            let m = acc_m[t][r];
+            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            hsum_float_8(acc[t][r]) + _mm_cvtss_f32(m)
+        })
+    })
+}
+
+/// Four rows of Q6_K against `T` Q8_K activation rows, `supers` blocks each.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k<const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: [*const u8; T],
+    supers: usize,
+) -> [[f32; GROUP]; T] {
+    let m15 = _mm256_set1_epi8(15);
+    let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
+    for b in 0..supers {
+        prefetch_ahead(w, row_bytes, b, Q6_K_BLOCK);
+        // SAFETY: block b of the four rows and of each activation row, per the contract.
+        unsafe {
+            let y = acts.map(|a| a.add(b * Q8_K_BLOCK));
+            let yd = y.map(|y| y.cast::<f32>().read_unaligned());
+            let bsums = y.map(|y| _mm256_loadu_si256(y.add(Q8_K_SUMS).cast()));
+            for r in 0..GROUP {
+                let x = w.add(r * row_bytes + b * Q6_K_BLOCK);
+                let xd = fp16_at(x.add(208));
+                let scales = _mm_loadu_si128(x.add(192).cast());
+                let scales16 = _mm256_cvtepi8_epi16(scales);
+                // The offset of 32: 32 x scale x the activation's 16-value sums.
+                let mut sumi = bsums.map(|s| {
+                    _mm256_sub_epi32(
+                        _mm256_setzero_si256(),
+                        _mm256_slli_epi32::<5>(_mm256_madd_epi16(s, scales16)),
+                    )
+                });
+                for j in 0..2 {
+                    let q1 = _mm256_loadu_si256(x.add(64 * j).cast());
+                    let q2 = _mm256_loadu_si256(x.add(64 * j + 32).cast());
+                    let qh = _mm256_loadu_si256(x.add(128 + 32 * j).cast());
+                    let high = [
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(3))),
+                        _mm256_slli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(12))),
+                        _mm256_and_si256(qh, _mm256_set1_epi8(48)),
+                        _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(-64))),
+                    ];
+                    let low = [
+                        _mm256_and_si256(q1, m15),
+                        _mm256_and_si256(q2, m15),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(q1), m15),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(q2), m15),
+                    ];
+                    for k in 0..4 {
+                        let q = _mm256_or_si256(low[k], high[k]);
+                        // The scales of the run's first and last 16 values, as int16.
+                        let s = (4 * j + k) as i64 * 2;
+                        let pick = _mm_set_epi64x(
+                            (s + 1) * 0x0101_0101_0101_0101,
+                            s * 0x0101_0101_0101_0101,
+                        );
+                        let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+                        for (acc, y) in sumi.iter_mut().zip(y) {
+                            let q8 = _mm256_loadu_si256(y.add(4 + 128 * j + 32 * k).cast());
+                            let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(q, q8));
+                            *acc = _mm256_add_epi32(*acc, p);
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let d = _mm256_set1_ps(yd[t] * xd);
+                    acc[t][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[t]), acc[t][r]);
+                }
+            }
+        }
+    }
+    acc.map(|a| a.map(|v| hsum_float_8(v)))
+}
