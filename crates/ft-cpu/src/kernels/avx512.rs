@@ -404,8 +404,9 @@ unsafe fn table_tail<const KIND: u8, const TOK: usize>(
                         i32::from(lo) * value(q & 0xf) + i32::from(hi) * value(q >> 4)
                     })
                     .sum();
-                // As ggml's `sumf += d * (sumi1 + sumi2)`: a product, then a sum.
-                *o += da * dw * sum as f32;
+                // As ggml's `sumf += d * (sumi1 + sumi2)`, which C compilers contract into one
+                // fused multiply-add when ggml is built with FMA (its AVX2 paths are).
+                *o = (da * dw).mul_add(sum as f32, *o);
             }
         }
     }
