@@ -28,3 +28,10 @@ cargo test --workspace -q
 pytest -q
 # Each fuzz target for a few seconds: a regression on a seed or a near mutation fails here.
 bash scripts/fuzz.sh 10
+
+# The executor and model tests again on the AVX2 kernels (the kernel tests run every level the
+# host has in either run).
+export FREETOKEN_CPU_ISA=avx2
+cargo test -p ft-cpu -q
+pytest -q tests/test_quant_matmul.py tests/test_moe_executor.py tests/test_moe_models.py \
+    tests/test_models_vs_llamacpp.py tests/test_cpu_isa.py
