@@ -239,6 +239,12 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
                 }),
             ));
             let v = x.map(|x| legacy_values::<KIND>(x));
+            // Q8_0: ggml's sign trick, |w| times a with w's sign; |w| is the tokens' to share.
+            let abs = if KIND == Q8 {
+                v.map(|v| _mm256_sign_epi8(v, v))
+            } else {
+                v
+            };
             for (acc, y) in acc.iter_mut().zip(acts) {
                 let y = y.add(b * Q8_0_BLOCK);
                 let qy = _mm256_loadu_si256(y.add(2).cast());
@@ -247,11 +253,9 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
                 _mm_storeu_ps(dd.as_mut_ptr(), _mm_mul_ps(dw, _mm_set1_ps(fp16_at(y))));
                 let off =
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(offset), qy), ones);
-                for ((acc, v), dd) in acc.iter_mut().zip(v).zip(&dd) {
+                for (((acc, v), abs), dd) in acc.iter_mut().zip(v).zip(abs).zip(&dd) {
                     let lanes = if KIND == Q8 {
-                        // ggml's sign trick: |w| times a with w's sign.
-                        let p =
-                            _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(qy, v));
+                        let p = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(qy, v));
                         _mm256_madd_epi16(p, ones)
                     } else {
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, qy), ones);
