@@ -447,10 +447,12 @@ mod dispatch_tests {
     use freetoken_ggml::GgmlType;
 
     /// The types with group kernels at the AVX2 level.
-    const AVX2_TYPES: [GgmlType; 5] = [
+    const AVX2_TYPES: [GgmlType; 7] = [
         GgmlType::Q4_0,
         GgmlType::Q5_0,
         GgmlType::Q8_0,
+        GgmlType::IQ4_NL,
+        GgmlType::MXFP4,
         GgmlType::Q4_K,
         GgmlType::Q6_K,
     ];

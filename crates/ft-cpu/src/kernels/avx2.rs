@@ -1,6 +1,7 @@
-//! Four rows of Q4_0, Q5_0 or Q8_0 against Q8_0 activation rows, and of Q4_K or Q6_K against
-//! Q8_K ones, with AVX2, FMA and F16C: bit-identical to ggml's AVX2 `ggml_vec_dot_q4_0_q8_0` /
-//! `_q5_0_q8_0` / `_q8_0_q8_0` / `_q4_K_q8_K` / `_q6_K_q8_K` row by row.
+//! Four rows of Q4_0, Q5_0, Q8_0, IQ4_NL or MXFP4 against Q8_0 activation rows, and of Q4_K or
+//! Q6_K against Q8_K ones, with AVX2, FMA and F16C: bit-identical to ggml's AVX2
+//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_iq4_nl_q8_0` / `_mxfp4_q8_0` /
+//! `_q4_K_q8_K` / `_q6_K_q8_K` row by row.
 //!
 //! A 256-bit register holds one row's eight 4-value lanes, so the four rows go one after
 //! another; what they share is each activation block's loads, its scale and (for the legacy
@@ -10,8 +11,12 @@
 //! off each value before a sign-trick product, these take (offset x the activation's lane sum)
 //! off the lane sum of the unsigned values, the same integer. The f32 operations and their
 //! order are ggml's: the product of the two block scales, one fused multiply-add per block
-//! into eight lanes, `hsum_float_8` at the end (Q4_K: plus its four min lanes' sum).
+//! into eight lanes, `hsum_float_8` at the end (Q4_K: plus its four min lanes' sum; IQ4_NL and
+//! MXFP4: of two accumulators, even and odd blocks, an odd last block added after it by a
+//! scalar tail).
 
+use super::avx512::e8m0_half;
+use super::avx512_k::IQ4_VALUES;
 use super::{GroupFn, GroupFns, GROUP, PASS_ROWS};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
@@ -22,6 +27,11 @@ const Q5: u8 = 1;
 const Q8: u8 = 2;
 const Q4K: u8 = 3;
 const Q6K: u8 = 4;
+const NL: u8 = 5;
+const MX: u8 = 6;
+
+/// ggml's `kvalues_mxfp4`: MXFP4's values of the 16 indices (e2m1, doubled).
+const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Bytes of a Q8_0 block: fp16 scale, 32 signed values.
 const Q8_0_BLOCK: usize = 34;
@@ -39,13 +49,39 @@ const Q6_K_BLOCK: usize = 210;
 
 /// A legacy block's bytes and the offset its stored values carry: Q4_0 (fp16 scale, 16 bytes
 /// of nibbles, value v - 8), Q5_0 (fp16 scale, 4 bytes of fifth bits, the nibbles, value
-/// v - 16), Q8_0 (signed values, no offset).
+/// v - 16), Q8_0 (signed values, no offset), IQ4_NL (fp16 scale, nibbles indexing its table),
+/// MXFP4 (an E8M0 scale, nibbles indexing its table).
 const fn layout(kind: u8) -> (usize, i8) {
     match kind {
         Q4 => (18, 8),
         Q5 => (22, 16),
+        NL => (18, 0),
+        MX => (17, 0),
         _ => (Q8_0_BLOCK, 0),
     }
+}
+
+/// Where a legacy block's values start.
+const fn values_at(kind: u8) -> usize {
+    match kind {
+        Q5 => 6,
+        MX => 1,
+        _ => 2,
+    }
+}
+
+/// The table-valued types' tables.
+const fn table(kind: u8) -> Option<&'static [i8; 16]> {
+    match kind {
+        NL => Some(&IQ4_VALUES),
+        MX => Some(&MXFP4_VALUES),
+        _ => None,
+    }
+}
+
+/// The types whose values are signed (ggml's sign-trick product), not unsigned with an offset.
+const fn signed(kind: u8) -> bool {
+    kind == Q8 || table(kind).is_some()
 }
 
 /// Activation rows one pass over the four weight rows serves: its accumulators stay in the
@@ -75,6 +111,8 @@ pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
         (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], tile::<Q4, 1>),
         (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], tile::<Q5, 1>),
         (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], tile::<Q8, 1>),
+        (GgmlType::IQ4_NL, _) => fns([tile::<NL, 8>, tile::<NL, 4>], tile::<NL, 1>),
+        (GgmlType::MXFP4, _) => fns([tile::<MX, 8>, tile::<MX, 4>], tile::<MX, 1>),
         _ => None,
     }
 }
@@ -171,7 +209,7 @@ pub(super) fn hsum_float_8(x: __m256) -> f32 {
 }
 
 /// A legacy block's 32 values in element order: Q4_0's and Q5_0's unsigned (offset
-/// included), Q8_0's signed.
+/// included), the others' signed.
 ///
 /// # Safety
 /// `x` points at a block of the type; the CPU has AVX2.
@@ -184,12 +222,15 @@ unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
             return _mm256_loadu_si256(x.add(2).cast());
         }
         // Low nibbles are elements 0..16, high ones 16..32.
-        let at = if KIND == Q5 { 6 } else { 2 };
-        let q = _mm_loadu_si128(x.add(at).cast());
+        let q = _mm_loadu_si128(x.add(values_at(KIND)).cast());
         let v = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
             _mm256_set1_epi8(0x0f),
         );
+        if let Some(table) = table(KIND) {
+            let table = _mm_loadu_si128(table.as_ptr().cast());
+            return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), v);
+        }
         if KIND == Q4 {
             return v;
         }
@@ -213,7 +254,27 @@ unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
     }
 }
 
-/// Four rows of Q4_0, Q5_0 or Q8_0 (`KIND`) against `T` Q8_0 activation rows.
+/// The four rows' block scales as f32: fp16, or MXFP4's E8M0 halved.
+///
+/// # Safety
+/// Each of `x` points at a block of the type; the CPU has F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weight_scales<const KIND: u8>(x: [*const u8; GROUP]) -> __m128 {
+    // SAFETY: a block starts with its scale, per the contract.
+    unsafe {
+        if KIND == MX {
+            let [a, b, c, d] = x.map(|p| e8m0_half(p.read()));
+            return _mm_set_ps(d, c, b, a);
+        }
+        let bits = x.iter().rev().fold(0i64, |v, x| {
+            (v << 16) | i64::from(x.cast::<u16>().read_unaligned())
+        });
+        _mm_cvtph_ps(_mm_set_epi64x(0, bits))
+    }
+}
+
+/// Four rows of Q4_0, Q5_0, Q8_0, IQ4_NL or MXFP4 (`KIND`) against `T` Q8_0 activation rows.
 ///
 /// # Safety
 /// As [`tile`].
@@ -226,21 +287,22 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
 ) -> [[f32; GROUP]; T] {
     let (block, offset) = layout(KIND);
     let ones = _mm256_set1_epi16(1);
-    let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
-    for b in 0..blocks {
+    // Per token the even blocks' accumulators (every block's but the table types') and the
+    // odd ones'.
+    let mut acc = [[[_mm256_setzero_ps(); GROUP]; 2]; T];
+    let paired = table(KIND).is_some();
+    let parity = usize::from(paired);
+    let vector_blocks = if paired { blocks & !1 } else { blocks };
+    for b in 0..vector_blocks {
         prefetch_ahead(w, row_bytes, b, block);
         // SAFETY: block b of the four rows and of each activation row, per the contract.
         unsafe {
             let x = [0, 1, 2, 3].map(|r| w.add(r * row_bytes + b * block));
-            let dw = _mm_cvtph_ps(_mm_set_epi64x(
-                0,
-                x.iter().rev().fold(0i64, |v, x| {
-                    (v << 16) | i64::from(x.cast::<u16>().read_unaligned())
-                }),
-            ));
+            let dw = weight_scales::<KIND>(x);
             let v = x.map(|x| legacy_values::<KIND>(x));
-            // Q8_0: ggml's sign trick, |w| times a with w's sign; |w| is the tokens' to share.
-            let abs = if KIND == Q8 {
+            // ggml's sign trick for signed values, |w| times a with w's sign; |w| is the
+            // tokens' to share.
+            let abs = if signed(KIND) {
                 v.map(|v| _mm256_sign_epi8(v, v))
             } else {
                 v
@@ -253,8 +315,9 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
                 _mm_storeu_ps(dd.as_mut_ptr(), _mm_mul_ps(dw, _mm_set1_ps(fp16_at(y))));
                 let off =
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(offset), qy), ones);
+                let acc = &mut acc[b & parity];
                 for (((acc, v), abs), dd) in acc.iter_mut().zip(v).zip(abs).zip(&dd) {
-                    let lanes = if KIND == Q8 {
+                    let lanes = if signed(KIND) {
                         let p = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(qy, v));
                         _mm256_madd_epi16(p, ones)
                     } else {
@@ -267,7 +330,61 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
             }
         }
     }
-    acc.map(|a| a.map(|v| hsum_float_8(v)))
+    let mut out = acc.map(|[even, odd]| {
+        std::array::from_fn(|r| {
+            if paired {
+                hsum_float_8(_mm256_add_ps(even[r], odd[r]))
+            } else {
+                hsum_float_8(even[r])
+            }
+        })
+    });
+    if vector_blocks < blocks {
+        // SAFETY: the last block of each row and activation row, per the contract.
+        unsafe { table_tail::<KIND, T>(w, row_bytes, acts, blocks - 1, &mut out) };
+    }
+    out
+}
+
+/// ggml's scalar tail of the IQ4_NL and MXFP4 dots for block `b` (an odd last one): per row
+/// and token the block's exact integer sum times d_a * d_w, added with one fused multiply-add
+/// (ggml's `sumf += d * (sumi1 + sumi2)`, contracted when ggml is built with FMA).
+///
+/// # Safety
+/// As [`tile`], for block `b`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn table_tail<const KIND: u8, const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: [*const u8; T],
+    b: usize,
+    out: &mut [[f32; GROUP]; T],
+) {
+    let (block, _) = layout(KIND);
+    let table = table(KIND).expect("a table type");
+    let x = [0, 1, 2, 3].map(|r| w.wrapping_add(r * row_bytes + b * block));
+    let mut dw = [0f32; GROUP];
+    // SAFETY: block b of the four rows and of each activation row, per the contract.
+    unsafe {
+        _mm_storeu_ps(dw.as_mut_ptr(), weight_scales::<KIND>(x));
+        for (o, a) in out.iter_mut().zip(acts) {
+            let y = a.add(b * Q8_0_BLOCK);
+            let ya = std::slice::from_raw_parts(y.add(2).cast::<i8>(), 32);
+            let da = fp16_at(y);
+            for ((o, x), dw) in o.iter_mut().zip(x).zip(dw) {
+                let qs = std::slice::from_raw_parts(x.add(values_at(KIND)), 16);
+                let value = |i: u8| i32::from(table[usize::from(i)]);
+                let sum: i32 = qs
+                    .iter()
+                    .zip(ya.iter().zip(&ya[16..]))
+                    .map(|(&q, (&lo, &hi))| {
+                        i32::from(lo) * value(q & 0xf) + i32::from(hi) * value(q >> 4)
+                    })
+                    .sum();
+                *o = (da * dw).mul_add(sum as f32, *o);
+            }
+        }
+    }
 }
 
 /// Four rows of Q4_K against `T` Q8_K activation rows, `supers` blocks each.

@@ -361,7 +361,7 @@ unsafe fn fp16_x4(x: [*const u8; GROUP]) -> __m128 {
 }
 
 /// ggml's `ggml_e8m0_to_fp32_half`: 2^(e - 128), subnormal below e = 2.
-fn e8m0_half(e: u8) -> f32 {
+pub(super) fn e8m0_half(e: u8) -> f32 {
     f32::from_bits(if e < 2 {
         0x0020_0000 << e
     } else {

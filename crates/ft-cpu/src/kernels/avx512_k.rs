@@ -51,7 +51,7 @@ const Q6_K_BLOCK: usize = 210;
 /// 128 bytes of 4-bit table indices packed as Q4_0's (per 32-value sub-block).
 const IQ4_XS_BLOCK: usize = 136;
 /// IQ4_XS's (and IQ4_NL's) values of the 16 indices (ggml's `kvalues_iq4nl`).
-const IQ4_VALUES: [i8; 16] = [
+pub(super) const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 /// Bytes of an IQ2_XXS block: fp16 d, then per 32-value sub-block 8 bytes: four indices into
