@@ -13,6 +13,7 @@ this model; ours must be no farther from llama.cpp than llama.cpp's other attent
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +84,29 @@ def test_default_model_tracks_llamacpp(default_model: Path, llama_ref_root: Path
     ours_n, self_n = (sum(len(c.mismatches) for c in cs) for cs in (ref_c, self_c))
     # The bound is llama.cpp's own spread: its two attention paths must differ (else it is 0),
     # and the mean KL may exceed theirs by a quarter (it moves that much between prompts).
+    # Argmax differences outside near-ties are rare events (a handful in 320 positions, more
+    # or fewer on hosts whose llama.cpp build takes other kernels): ours may exceed llama.cpp's
+    # own count within counting noise, the 99th percentile of a Poisson count of that mean.
     assert self_kl > 0.0, report
-    assert ours_n <= self_n, report
+    assert ours_n <= _poisson_quantile(max(self_n, 1), 0.99), report
     assert ours_kl <= 1.25 * self_kl, report
+
+
+def _poisson_quantile(mean: float, q: float) -> int:
+    """The smallest k with P(X <= k) >= q for X ~ Poisson(mean)."""
+    k, term = 0, math.exp(-mean)
+    total = term
+    while total < q:
+        k += 1
+        term *= mean / k
+        total += term
+    return k
+
+
+def test_poisson_quantile_matches_the_table() -> None:
+    # Poisson(5): P(X <= 10) = 0.9863, P(X <= 11) = 0.9945 (standard tables).
+    assert _poisson_quantile(5, 0.99) == 11
+    assert _poisson_quantile(1, 0.99) == 4
 
 
 SYNTHETIC_PROMPTS = [
