@@ -43,7 +43,7 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
      dict(_DENSE, quant="q4_k,ffn_down=q6_k,output=q8_0", seed=4)),
     ("qwen3vl-q8", "qwen3vl", "qwen2", dict(_DENSE, quant="q8_0", seed=3)),
     ("qwen3vl-mix", "qwen3vl", "qwen2", dict(_DENSE, quant="q5_0,attn_v=q8_0,output=q6_k", seed=5)),
-    # Sections whose sum (16) is below the head's 32 pairs: two of every 16 pairs read the
+    # Sections whose sum (8) is below the head's 32 pairs: two of every 8 pairs read the
     # fourth position and stay unrotated, high frequencies among them (EDITS).
     ("qwen3vl-sections", "qwen3vl", "qwen2", dict(_DENSE, quant="q8_0", seed=6)),
     # A temperature beta of 1 (EDITS), so that it moves the logits well past what the checks
@@ -65,7 +65,7 @@ F32, ARRAY = GGUFValueType.FLOAT32, GGUFValueType.ARRAY
 #: selection biases (they then change which experts are chosen).
 EDITS: dict[str, dict[str, Any]] = {
     "qwen3vl-sections": dict(
-        meta={"qwen3vl.rope.dimension_sections": ([6, 4, 4, 2], ARRAY)},
+        meta={"qwen3vl.rope.dimension_sections": ([2, 2, 2, 2], ARRAY)},
         tensors=_stronger("attn_q_norm.weight", mul=3.0),
     ),
     "mistral3-temp": dict(meta={"mistral3.attention.temperature_scale": (1.0, F32)}),
