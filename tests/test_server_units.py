@@ -53,6 +53,29 @@ CASES = [
         "",
         [("f", {"a": 1})],
     ),
+    (
+        "minimax two invokes",
+        'Let me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+        'Paris</parameter>\n<parameter name="unit">C</parameter>\n</invoke>\n<invoke name="f">'
+        '<parameter name="days">[1, 2]</parameter></invoke>\n</minimax:tool_call>',
+        None,
+        "Let me check.\n",
+        [("get_weather", ARGS), ("f", {"days": [1, 2]})],
+    ),
+    (
+        "minimax unclosed at eos",
+        '<minimax:tool_call><invoke name="now"></invoke>\n',
+        None,
+        "",
+        [("now", {})],
+    ),
+    (
+        "broken minimax",
+        "<minimax:tool_call>oops</minimax:tool_call> b",
+        None,
+        "<minimax:tool_call>oops</minimax:tool_call> b",
+        [],
+    ),
     ("mistral v3", f"[TOOL_CALLS][{WEATHER}]", None, "", [("get_weather", ARGS)]),
     (
         "mistral v11",

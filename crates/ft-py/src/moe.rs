@@ -213,6 +213,14 @@ impl PyMoeLayer {
         limit: f32,
     ) -> PyResult<Self> {
         let f = &file.inner;
+        // Shape errors name the layer's tensors.
+        let names = gate
+            .iter()
+            .chain(gate_up.iter())
+            .chain([&up, &down])
+            .filter_map(|n| n.first().map(|s| format!("`{s}`")))
+            .collect::<Vec<_>>()
+            .join(", ");
         let (gate, up) = match (gate, gate_up) {
             (Some(g), None) => (ExpertTensor::resolve(f, &g), ExpertTensor::resolve(f, &up)),
             (None, Some(gu)) => {
@@ -263,7 +271,14 @@ impl PyMoeLayer {
             act,
         };
         // Check every shape now, not at the first token.
-        layer.weights().validate().py_err()?;
+        layer
+            .weights()
+            .validate()
+            .map_err(|e| match e {
+                Error::Shape(m) => Error::Shape(format!("MoE layer {index} ({names}): {m}")),
+                other => other,
+            })
+            .py_err()?;
         Ok(layer)
     }
 

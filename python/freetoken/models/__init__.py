@@ -14,11 +14,15 @@ from freetoken.models import (
     glm4moe,
     gptoss,
     llama,
+    minimax_m2,
+    mistral3,
     olmoe,
     qwen2,
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3vl,
+    qwen3vlmoe,
 )
 from freetoken.models.config import ModelConfig
 from freetoken.models.transformer import Transformer
@@ -37,6 +41,10 @@ FAMILIES: dict[str, ModuleType] = {
     "gpt-oss": gptoss,
     "glm4moe": glm4moe,
     "deepseek2": deepseek2,
+    "minimax-m2": minimax_m2,
+    "mistral3": mistral3,
+    "qwen3vl": qwen3vl,
+    "qwen3vlmoe": qwen3vlmoe,
 }
 
 

@@ -167,15 +167,21 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     n_ctx_orig: int = 0
-    #: DeepSeek-2's ``mscale_all_dim`` (``yarn_log_multiplier`` / 0.1); 0 when absent.
+    #: ``mscale_all_dim`` (DeepSeek-2 stores it as ``yarn_log_multiplier`` * 0.1); 0 when absent.
     yarn_log_mul: float = 0.0
 
     @classmethod
     def from_metadata(
-        cls, meta: Mapping[str, Any], arch: str, read_log_mul: bool = False
+        cls,
+        meta: Mapping[str, Any],
+        arch: str,
+        read_log_mul: bool = False,
+        read_yarn_keys: bool = False,
     ) -> RopeScaling:
         """The scaling of ``arch``'s ``rope.scaling.*`` keys; ``read_log_mul`` reads
-        ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 loader does."""
+        ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 loader does;
+        ``read_yarn_keys`` reads it as stored (mscale_all_dim) with ``yarn_beta_fast`` and
+        ``yarn_beta_slow``, as its mistral3 loader does."""
         kind = meta.get(f"{arch}.rope.scaling.type", _DEFAULT_SCALING)
         factor = float(meta.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
         freq_scale = 1.0 / factor if factor else 1.0
@@ -192,6 +198,12 @@ class RopeScaling:
         if read_log_mul and f"{arch}.rope.scaling.yarn_log_multiplier" in meta:
             # The converter stores 0.1 * mscale_all_dim; llama.cpp undoes the 0.1.
             log_mul = float(meta[f"{arch}.rope.scaling.yarn_log_multiplier"]) / 0.1
+        betas = {}
+        if read_yarn_keys:
+            log_mul = float(meta.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+            for name in ("beta_fast", "beta_slow"):
+                if f"{arch}.rope.scaling.yarn_{name}" in meta:
+                    betas[name] = float(meta[f"{arch}.rope.scaling.yarn_{name}"])
         ext_factor = 1.0 if kind == "yarn" else 0.0
         attn_factor = 1.0
         if ext_factor:
@@ -209,6 +221,7 @@ class RopeScaling:
             attn_factor=attn_factor * rope_attn_factor,
             n_ctx_orig=n_ctx_orig,
             yarn_log_mul=log_mul,
+            **betas,
         )
 
     def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:

@@ -75,6 +75,15 @@ class Features:
     mla: bool = False
     #: Read ``rope.scaling.yarn_log_multiplier`` as llama.cpp's deepseek2 does.
     yarn_log_mul: bool = False
+    #: Read the YaRN betas and ``yarn_log_multiplier`` (mscale_all_dim as stored) as
+    #: llama.cpp's mistral3 does.
+    yarn_keys: bool = False
+    #: Queries scaled by ``1 + beta * ln(1 + floor(pos / n_ctx_orig))`` where the file gives
+    #: ``attention.temperature_scale`` (beta; Mistral 3).
+    attn_temperature: bool = False
+    #: The RoPE frequency factors of the family, from the metadata and config, in place of
+    #: ``rope_freqs.weight`` (Qwen3-VL's multi-section RoPE at text positions).
+    rope_factors: Callable[[Mapping[str, Any], ModelConfig], torch.Tensor] | None = None
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -147,6 +156,22 @@ class MLAShape:
             v=v,
             latent=latent,
         )
+
+
+def _attn_temperature(
+    meta: Mapping[str, Any], cfg: ModelConfig, rope: RopeScaling
+) -> tuple[float, int] | None:
+    """``(beta, n_ctx_orig)`` of the attention temperature, None where the file gives no
+    ``attention.temperature_scale`` (or 0)."""
+    key = f"{cfg.arch}.attention.temperature_scale"
+    beta = meta.get(key, 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise GGUFError(f"metadata `{key}` is {beta!r}, expected a number")
+    if not beta:
+        return None
+    if rope.n_ctx_orig <= 0:
+        raise GGUFError(f"`{key}` needs an original context length (rope.scaling.*) above 0")
+    return float(beta), rope.n_ctx_orig
 
 
 class MLAWeights:
@@ -247,7 +272,8 @@ class Transformer:
         self.feat = feat
         #: The MoE executor and counters of MoE families (set by ``load_model``).
         self.moe: MoeContext | None = None
-        self.rope = RopeScaling.from_metadata(meta, cfg.arch, feat.yarn_log_mul)
+        self.rope = RopeScaling.from_metadata(meta, cfg.arch, feat.yarn_log_mul, feat.yarn_keys)
+        self.attn_temp = _attn_temperature(meta, cfg, self.rope) if feat.attn_temperature else None
         self.mla = MLAShape.from_metadata(meta, cfg) if feat.mla else None
         self.attn_scale = attn_scale or default_attn_scale(cfg.head_dim)
         if self.mla is not None:
@@ -279,6 +305,8 @@ class Transformer:
             if "rope_freqs.weight" in gguf
             else None
         )
+        if feat.rope_factors is not None:
+            self.rope_factors = feat.rope_factors(meta, cfg)
 
     #: Where the model's tensors live (set by GPU placement).
     device = torch.device("cpu")
@@ -444,6 +472,13 @@ class Transformer:
             step.rope[key] = (cos, sin)
         return step.rope[key]
 
+    def _temperature(self, step: Step, dtype: torch.dtype) -> torch.Tensor:
+        """The rows' query scales ``[T, 1, 1]`` (see ``Features.attn_temperature``)."""
+        assert self.attn_temp is not None
+        beta, floor = self.attn_temp
+        scale = torch.log(torch.floor(step.pos.to(torch.float64) / floor) + 1.0) * beta + 1.0
+        return scale.to(dtype)[:, None, None]
+
     def _attention(
         self,
         i: int,
@@ -475,6 +510,8 @@ class Transformer:
                 k = rms_norm(k, blk.k_norm, cfg.norm_eps)
             q = self._rope(q, step, blk, cfg.rope_dim)
             k = self._rope(k, step, blk, cfg.rope_dim)
+        if self.attn_temp is not None:
+            q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
         outs, row = [], 0
         for sp in step.spans:

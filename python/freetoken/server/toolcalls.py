@@ -7,6 +7,9 @@ Formats recognised in the model's output:
 * Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (v3) or
   ``[TOOL_CALLS]name[ARGS]{...}`` (v11 and later, repeated per call, an optional
   ``[CALL_ID]id`` before ``[ARGS]``);
+* MiniMax-M2: ``<minimax:tool_call>`` around one or more
+  ``<invoke name="..."><parameter name="key">value</parameter>...</invoke>``, each value JSON
+  where it parses as JSON (the template writes non-strings with ``tojson``), else a string;
 * Llama 3: the whole reply is one JSON object ``{"name": ..., "parameters": {...}}`` (or
   several separated by ``;``), optionally after ``<|python_tag|>``; without the tag it counts
   as a call only when the name is one of the request's tools, so ordinary JSON answers pass;
@@ -35,6 +38,7 @@ __all__ = [
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_TAG = "[TOOL_CALLS]"
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -124,6 +128,40 @@ def _parse_hermes_block(body: str) -> ToolCall | None:
     return _call_from_obj(values[0]) if values and len(values) == 1 else None
 
 
+#: The block formats (a call per block or several): their opening and closing markers.
+_BLOCKS = {"hermes": (HERMES_OPEN, HERMES_CLOSE), "minimax": (MINIMAX_OPEN, MINIMAX_CLOSE)}
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>\s*', re.S)
+_MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>\s*', re.S)
+
+
+def _minimax_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _parse_minimax_block(body: str) -> list[ToolCall] | None:
+    """The calls of one ``<minimax:tool_call>`` body; None unless all of it is invokes."""
+    calls: list[ToolCall] = []
+    i = 0
+    while i < len(body):
+        m = _MINIMAX_INVOKE.match(body, i)
+        if m is None:
+            return None if body[i:].strip() else calls or None
+        args: dict[str, Any] = {}
+        j, inner = 0, m.group(2)
+        while j < len(inner) and inner[j:].strip():
+            p = _MINIMAX_PARAM.match(inner, j)
+            if p is None:
+                return None
+            args[p.group(1)] = _minimax_value(p.group(2))
+            j = p.end()
+        calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)))
+        i = m.end()
+    return calls or None
+
+
 def _parse_mistral(body: str) -> list[ToolCall] | None:
     body = body.strip()
     if body.startswith("["):
@@ -169,12 +207,12 @@ class ToolCallStream:
     ``tool_names`` (the request's tools) gates the markerless Llama 3 form.
     """
 
-    _MARKERS = (HERMES_OPEN, MISTRAL_TAG, PYTHON_TAG)
+    _MARKERS = (HERMES_OPEN, MINIMAX_OPEN, MISTRAL_TAG, PYTHON_TAG)
 
     def __init__(self, tool_names: Iterable[str] | None = None) -> None:
         self.names = set(tool_names) if tool_names is not None else None
         self.buf = ""
-        self.mode = "text"  # text | hermes | mistral | python | llama
+        self.mode = "text"  # text | hermes | minimax | mistral | python | llama
         self.seen_text = False  # any non-space content emitted yet
         self.n_calls = 0
         self.pending_ws = ""  # whitespace after a call: dropped if nothing else follows
@@ -211,39 +249,51 @@ class ToolCallStream:
                 i, m = min(hits)
                 content.append(self._emit(self.buf[:i]))
                 self.buf = self.buf[i:]
-                self.mode = {HERMES_OPEN: "hermes", MISTRAL_TAG: "mistral"}.get(m, "python")
-            elif self.mode == "hermes":
-                j = self.buf.find(HERMES_CLOSE)
+                self.mode = {
+                    HERMES_OPEN: "hermes",
+                    MINIMAX_OPEN: "minimax",
+                    MISTRAL_TAG: "mistral",
+                }.get(m, "python")
+            elif self.mode in _BLOCKS:
+                open_, close = _BLOCKS[self.mode]
+                j = self.buf.find(close)
                 if j < 0:
                     break
-                block = self.buf[: j + len(HERMES_CLOSE)]
-                call = _parse_hermes_block(block[len(HERMES_OPEN) : j])
-                if call is None:
+                block = self.buf[: j + len(close)]
+                parsed = self._parse_block(block[len(open_) : j])
+                if parsed is None:
                     content.append(self._emit(block))
                 else:
-                    calls.append(call)
-                    self.n_calls += 1
+                    calls += parsed
+                    self.n_calls += len(parsed)
                 self.buf = self.buf[len(block) :]
                 self.mode = "text"
             else:
                 break  # mistral, python, llama: the call runs to the end of the output
         return "".join(content), calls
 
+    def _parse_block(self, body: str) -> list[ToolCall] | None:
+        """The calls of a block of the current mode (hermes or minimax)."""
+        if self.mode == "minimax":
+            return _parse_minimax_block(body)
+        call = _parse_hermes_block(body)
+        return [call] if call else None
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """Ends the output: parses what is still held; returns (content, calls)."""
         content, calls = self.feed("")
-        buf, mode, self.buf = self.buf, self.mode, ""
+        buf, mode = self.buf, self.mode
         parsed: list[ToolCall] | None = None
-        if mode == "hermes":
-            # The model stopped before the closing tag: accept a complete JSON body.
-            call = _parse_hermes_block(buf[len(HERMES_OPEN) :])
-            parsed = [call] if call else None
+        if mode in _BLOCKS:
+            # The model stopped before the closing tag: accept a complete body.
+            parsed = self._parse_block(buf[len(_BLOCKS[mode][0]) :])
         elif mode == "mistral":
             parsed = _parse_mistral(buf[len(MISTRAL_TAG) :])
         elif mode == "python":
             parsed = _parse_llama(buf[len(PYTHON_TAG) :], None)
         elif mode == "llama":
             parsed = _parse_llama(buf, self.names)
+        self.buf = ""
         if parsed:
             calls += parsed
             self.n_calls += len(parsed)

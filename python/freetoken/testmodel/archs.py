@@ -454,12 +454,13 @@ class Gemma3(ArchSpec):
 
 # The MoE architectures subclass ArchSpec, so they are defined after it.
 from freetoken.testmodel.archs_moe import MOE_ARCHS  # noqa: E402
+from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
 
 #: The architectures make-test-model writes, by GGUF ``general.architecture``.
 ARCHS: dict[str, ArchSpec] = {
     # llama is among the MoE architectures: Mixtral shares it (dense when experts == 0).
     a.name: a
-    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS)
+    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS)
 }
 
 

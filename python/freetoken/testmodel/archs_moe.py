@@ -60,7 +60,7 @@ GATING_FUNC_IDS = {"softmax": 1, "sigmoid": 2, "softmax_weight": 3}
 #: llama.cpp's LLAMA_MAX_EXPERTS.
 MAX_EXPERTS = 1024
 
-_MOE_OPTIONS = frozenset({"experts", "top_k", "expert_ffn", "shared_experts"})
+_MOE_OPTIONS: frozenset[str] = frozenset({"experts", "top_k", "expert_ffn", "shared_experts"})
 
 
 def _set(items: list[MetaItem], key: str, value: object, vtype: GGUFValueType) -> None:
