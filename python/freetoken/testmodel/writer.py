@@ -468,6 +468,10 @@ class WeightGen:
         if role == "post_norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             return (w * np.float32(self.block_rms)).astype(np.float32)
+        if role == "ssm_a":
+            # The decay rates -exp(A_log): per-token decays exp(softplus(alpha + dt) * a)
+            # between about 0.4 and 0.95.
+            return -(0.1 + 0.9 * rng.random(t.shape, dtype=np.float32)).astype(np.float32)
         std = {
             "bias": BIAS_STD,
             "out_bias": OUT_BIAS_SCALE * self.block_rms * self.moe_share,
@@ -488,6 +492,9 @@ class WeightGen:
             if t.short in ("attn_q", "attn_q_b") and not arch.uses_qk_norm(self.cfg):
                 std *= ATTN_SHARPNESS
             return std
+        if role == "conv":
+            # A depthwise conv over conv_kernel taps of unit-size inputs.
+            return 1.0 / math.sqrt(t.k)
         if role == "mla_kb":
             # k_nope = c @ attn_k_b[head]: the sum runs over the kv_lora_rank axis.
             return 1.0 / math.sqrt(t.shape[-2])
