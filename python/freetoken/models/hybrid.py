@@ -80,8 +80,10 @@ def rope_pairs(meta: dict, arch: str, n_rot: int, head_dim: int) -> torch.Tensor
         raise GGUFError(f"metadata `{key}` {s} must sum to 1..{head_dim} (the head size)")
     sector = torch.arange(n_rot // 2) % total
     kind = sector % 3
-    return ((kind == 0) & (sector < 3 * s[0])) | ((kind == 1) & (sector < 3 * s[1])) | (
-        (kind == 2) & (sector < 3 * s[2])
+    return (
+        ((kind == 0) & (sector < 3 * s[0]))
+        | ((kind == 1) & (sector < 3 * s[1]))
+        | ((kind == 2) & (sector < 3 * s[2]))
     )
 
 
@@ -102,9 +104,9 @@ class GatedAttention:
 class HybridBlock(Block):
     """One hybrid layer: its input norm, full or linear attention, FFN norm and FFN. The
     attention-side attributes of :class:`Block` (RoPE base and scale) are the ones the
-    Transformer's RoPE helpers read; ``kv`` / ``rec`` index the cache's layers."""
+    Transformer's RoPE helpers read; ``index`` is its layer among the cache's attention or recurrent layers."""
 
-    def __init__(  # noqa: PLR0913 - the family's pieces
+    def __init__(
         self,
         gguf: GGUFFile,
         cfg: ModelConfig,
@@ -136,7 +138,7 @@ class HybridTransformer(Transformer):
         "only so far; use --device cpu"
     )
 
-    def __init__(  # noqa: PLR0913 - Transformer's signature
+    def __init__(
         self,
         gguf: GGUFFile,
         cfg: ModelConfig,

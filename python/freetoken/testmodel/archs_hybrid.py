@@ -35,7 +35,7 @@ from freetoken.errors import InvalidInputError
 from freetoken.testmodel.archs import ArchSpec, MetaItem, ModelConfig, TensorDef, _blk
 from freetoken.testmodel.archs_moe import MoeArch
 
-__all__ = ["HYBRID_ARCHS", "Qwen3Next", "Qwen35", "Qwen35Moe", "SHAPE_PRESETS"]
+__all__ = ["HYBRID_ARCHS", "SHAPE_PRESETS", "Qwen3Next", "Qwen35", "Qwen35Moe"]
 
 _U32, _I32 = GGUFValueType.UINT32, GGUFValueType.INT32
 
@@ -147,8 +147,10 @@ class _GatedDeltaNet(ArchSpec):
                 TensorDef(_blk(i, "attn_k_norm"), "attn_k_norm", i, (d,), "norm", False),
                 TensorDef(_blk(i, "attn_output"), "attn_output", i, (h, nq), "attn_out", True),
             ]
-        d, kh, vh = int(cfg.linear_head_dim or 0), int(cfg.linear_k_heads or 0), int(
-            cfg.linear_v_heads or 0
+        d, kh, vh = (
+            int(cfg.linear_head_dim or 0),
+            int(cfg.linear_k_heads or 0),
+            int(cfg.linear_v_heads or 0),
         )
         channels, value = 2 * kh * d + vh * d, vh * d
         t += [
