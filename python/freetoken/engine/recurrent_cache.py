@@ -72,8 +72,9 @@ class HybridCache(KVCache):
                 self.conv = [c.clone() for c in conv]
                 self.ssm = [s.clone() for s in ssm]
             else:
-                for t in (*self.conv, *self.ssm):
-                    t.zero_()
+                # New tensors: the old ones may be inference tensors, not writable here.
+                self.conv = [torch.zeros_like(c) for c in self.conv]
+                self.ssm = [torch.zeros_like(s) for s in self.ssm]
             for n in [n for n in self._snapshots if n > kept]:
                 del self._snapshots[n]
             length = kept
