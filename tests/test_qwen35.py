@@ -74,7 +74,7 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # ---- the recurrence ------------------------------------------------------------------------
 
 
-def _reference(q, k, v, g, beta, s):  # noqa: ANN001, ANN202 - float64 arrays
+def _reference(q, k, v, g, beta, s):
     """The gated delta rule token by token in float64 numpy."""
     q, k, v, g, beta, s = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta, s))
     s = s.copy()
@@ -216,10 +216,10 @@ def test_llm_chat_turn_reuses_prefix_like_a_fresh_run(model_files: dict[str, Pat
     path = model_files["qwen35moe-legacy"]
     llm = LLM(path, n_ctx=512)
     first = list(range(20, 120))
-    llm._evaluate(first)  # noqa: SLF001 - the reuse path the chat and server take
+    llm._evaluate(first)
     second = first + list(range(500, 530))
-    reused = llm._evaluate(second)  # noqa: SLF001
-    again = LLM(path, n_ctx=512)._evaluate(second)  # noqa: SLF001
+    reused = llm._evaluate(second)
+    again = LLM(path, n_ctx=512)._evaluate(second)
     torch.testing.assert_close(reused, again, atol=2e-3, rtol=1e-4)
 
 
@@ -273,3 +273,42 @@ def test_full_attention_interval_that_does_not_fit(
     path = _bad(model_files, tmp_path, meta={"qwen35.full_attention_interval": (interval, _U32)})
     with pytest.raises(FreeTokenError, match=r"qwen35\.full_attention_interval"):
         load_model(GGUFFile(path))
+
+
+# ---- make-test-model ------------------------------------------------------------------------
+
+
+def test_preset_shape_and_overrides() -> None:
+    """``--preset qwen3.5-35b-a3b`` has the issue's Qwen3.5-35B-A3B shape (checked on the
+    layout, nothing written); a flag given overrides the preset."""
+    import argparse
+
+    from freetoken.testmodel import cli
+    from freetoken.testmodel.archs import get_arch
+    from freetoken.testmodel.writer import build_config
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--preset", "qwen3.5-35b-a3b", "--layers", "8", "-o", "x.gguf"])
+    cli._apply_preset(args)
+    assert (args.arch, args.layers, args.hidden, args.experts, args.top_k) == (
+        "qwen35moe", 8, 2048, 256, 8,
+    )  # fmt: skip
+    options = {k: getattr(args, k) for k in cli._ARCH_OPTIONS if getattr(args, k) is not None}
+    cfg = build_config(
+        args.arch, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
+        kv_heads=args.kv_heads, head_dim=args.head_dim, vocab_size=248320,
+        experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn,
+        shared_experts=args.shared_experts, **options,
+    )  # fmt: skip
+    shapes = {t.name: t.shape for t in get_arch("qwen35moe").tensors(cfg)}
+    # Layer 3 is full attention (every fourth), layer 0 linear.
+    assert shapes["blk.3.attn_q.weight"] == (2 * 16 * 256, 2048)
+    assert shapes["blk.3.attn_k.weight"] == (2 * 256, 2048)
+    assert "blk.0.attn_q.weight" not in shapes
+    assert shapes["blk.0.attn_qkv.weight"] == ((2 * 16 + 32) * 128, 2048)
+    assert shapes["blk.0.ssm_conv1d.weight"] == ((2 * 16 + 32) * 128, 4)
+    assert shapes["blk.0.ssm_out.weight"] == (2048, 32 * 128)
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (256, 512, 2048)
+    assert shapes["blk.0.ffn_up_shexp.weight"] == (512, 2048)
+    assert shapes["token_embd.weight"] == (248320, 2048)
