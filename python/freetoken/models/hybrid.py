@@ -104,7 +104,8 @@ class GatedAttention:
 class HybridBlock(Block):
     """One hybrid layer: its input norm, full or linear attention, FFN norm and FFN. The
     attention-side attributes of :class:`Block` (RoPE base and scale) are the ones the
-    Transformer's RoPE helpers read; ``index`` is its layer among the cache's attention or recurrent layers."""
+    Transformer's RoPE helpers read; ``index`` is its layer among the cache's attention or
+    recurrent layers."""
 
     def __init__(
         self,
