@@ -63,7 +63,7 @@ def _long_prompt() -> str:
         "engine", "meadow", "thunder", "pocket", "winter", "silver", "orchard", "canvas",
     ]  # fmt: skip
     rng = np.random.default_rng(3)
-    return " ".join(words[i] for i in rng.integers(0, len(words), 3 * PROMPT_CHUNK))
+    return " ".join(words[i] for i in rng.integers(0, len(words), 800))
 
 
 @pytest.fixture(scope="module")

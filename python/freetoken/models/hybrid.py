@@ -136,7 +136,7 @@ class HybridTransformer(Transformer):
     #: Why the GPU placements refuse this model (engine/placement.py reads it).
     gpu_unsupported = (
         "the Gated DeltaNet hybrid models (qwen35, qwen35moe, qwen3next) run on the CPU engine "
-        "only so far; use --device cpu"
+        "only so far"
     )
 
     def __init__(
