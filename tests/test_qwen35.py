@@ -312,3 +312,27 @@ def test_preset_shape_and_overrides() -> None:
     assert shapes["blk.0.ffn_gate_exps.weight"] == (256, 512, 2048)
     assert shapes["blk.0.ffn_up_shexp.weight"] == (512, 2048)
     assert shapes["token_embd.weight"] == (248320, 2048)
+
+
+@pytest.mark.parametrize("name", ["blk.0.ssm_out.weight", "blk.3.attn_output.weight"])
+def test_every_layer_kind_matters(model_files: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """Zeroing a linear-attention layer's or the full-attention layer's output projection
+    moves the distribution far beyond the KL tolerance: the comparisons above see both."""
+    import shutil
+
+    import gguf
+
+    path = model_files["qwen35moe-legacy"]
+    tokens = list(range(200, 260))
+    model = load_model(GGUFFile(path))
+    base = torch.softmax(model.forward(tokens, model.new_cache(128), True), -1)
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    copy = tmp_path / "ablated.gguf"
+    shutil.copy(path, copy)
+    with open(copy, "r+b") as f:
+        f.seek(int(t.data_offset))
+        f.write(bytes(int(t.n_bytes)))  # blocks of zeros (scale 0)
+    model = load_model(GGUFFile(copy))
+    p = torch.softmax(model.forward(tokens, model.new_cache(128), True), -1)
+    kl = float((base * (base.log() - p.log())).sum(-1).mean())
+    assert kl > 0.05, (name, kl)

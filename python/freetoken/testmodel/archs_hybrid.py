@@ -75,6 +75,8 @@ class _GatedDeltaNet(ArchSpec):
     fused_ba = False
     #: qwen35: interleaved multi-section RoPE (``rope.dimension_sections``).
     mrope = False
+    #: The full-attention output is gated by sigmoid(gate) (the writer sizes it for that).
+    gated_attention = True
 
     def defaults(self, cfg: ModelConfig) -> ModelConfig:
         """The architecture's defaults, plus the linear-attention sizes from the hidden size."""

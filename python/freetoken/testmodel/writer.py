@@ -331,6 +331,10 @@ class WeightGen:
             self.routed_gain = 1.0 / math.sqrt(routed_power(routing, cfg.experts, self.popularity))
         # qwen2moe scales the shared expert by sigmoid(z), z ~ N(0, 1).
         self.shexp_gain = 1.0 / _sigmoid_rms() if getattr(arch, "shared_gate", False) else 1.0
+        # Gated attention (the hybrids) scales the heads' averaged values by sigmoid(gate):
+        # 2 / RMS(sigmoid) brings the block back to the others' size (measured: without it
+        # zeroing a full-attention layer moved the distribution by a KL of 0.01 only).
+        self.attn_gain = 2.0 / _sigmoid_rms() if getattr(arch, "gated_attention", False) else 1.0
 
     def rng(self, name: str) -> np.random.Generator:
         """The generator of tensor ``name``."""
@@ -503,7 +507,7 @@ class WeightGen:
         if role == "attn_out":
             # Inputs have unit-size entries; the output should have RMS block_rms (unless a
             # post norm sets the size).
-            return ffn_out / math.sqrt(t.k)
+            return ffn_out * self.attn_gain / math.sqrt(t.k)
         if role == "ffn_out":
             return ffn_out / (math.sqrt(t.k) * self.act_rms)
         if role == "exp_out":
