@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from freetoken.engine.recurrent_cache import HybridCache
 from freetoken.errors import FreeTokenError, UnsupportedError
 from freetoken.gguf import GGUFFile
 from freetoken.llm import LLM, PROMPT_CHUNK
 from freetoken.models import load_model
 from freetoken.models.delta_net import causal_conv, delta_rule_chunked, delta_rule_step
+from freetoken.runtime.recurrent_cache import HybridCache
 from gguf import GGUFValueType
 from synthetic import build_models
 from teacher_forced import compare

@@ -11,7 +11,7 @@ positions rotates the pairs of the first three sections and leaves the fourth's,
 position is 0), attention is causal and the result is scaled by ``sigmoid(gate)`` before
 ``attn_output``.
 
-Each sequence's cache is a :class:`~freetoken.engine.recurrent_cache.HybridCache`: keys and
+Each sequence's cache is a :class:`~freetoken.runtime.recurrent_cache.HybridCache`: keys and
 values of the full-attention layers, the conv and delta-rule states of the others. The GPU
 placements do not take these models yet (:data:`HybridTransformer.gpu_unsupported`).
 """
@@ -23,7 +23,6 @@ from dataclasses import replace
 
 import torch
 
-from freetoken.engine.recurrent_cache import HybridCache
 from freetoken.errors import GGUFError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
@@ -38,7 +37,9 @@ from freetoken.models.layers import (
     load_vector,
     rms_norm,
 )
-from freetoken.models.transformer import Block, Features, FFNFactory, Step, Transformer, dense_ffn
+from freetoken.models.transformer import Block, Features, FFNFactory, Transformer, dense_ffn
+from freetoken.runtime.recurrent_cache import HybridCache
+from freetoken.runtime.step import Step
 
 __all__ = ["HybridTransformer", "recurrent_layers", "rope_pairs"]
 

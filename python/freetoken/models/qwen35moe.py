@@ -4,14 +4,14 @@ renormalized) plus a shared expert scaled by ``sigmoid(x . ffn_gate_inp_shexp)``
 
 from __future__ import annotations
 
-from freetoken.engine.moe import MoeContext, MoeFFN, expert_layer
-from freetoken.engine.routing import Routing
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import Linear
 from freetoken.models.qwen2moe import GatedSharedExpert
 from freetoken.models.qwen35 import FEATURES, MODEL
 from freetoken.models.transformer import FFN, FFNFactory
+from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
+from freetoken.runtime.routing import Routing
 
 __all__ = ["FEATURES", "MODEL", "ffn_factory"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from freetoken.engine.kv_cache import KVCache
+from freetoken.runtime.kv_cache import KVCache
 
 __all__ = ["MAX_SNAPSHOTS", "HybridCache"]
 
