@@ -198,6 +198,9 @@ def place_on_gpu(
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
         raise InvalidInputError(f"dense weights `{dense}`: choose one of {DENSE_MODES}")
+    refusal = getattr(model, "gpu_unsupported", None)
+    if refusal:
+        raise UnsupportedError(f"--moe-strategy {strategy}: {refusal} (use --device cpu)")
     status = gpu.status()
     if not (status.available and torch.cuda.is_available()):
         raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")

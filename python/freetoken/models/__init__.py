@@ -21,8 +21,11 @@ from freetoken.models import (
     qwen2moe,
     qwen3,
     qwen3moe,
+    qwen3next,
     qwen3vl,
     qwen3vlmoe,
+    qwen35,
+    qwen35moe,
 )
 from freetoken.models.config import ModelConfig
 from freetoken.models.transformer import Transformer
@@ -45,6 +48,9 @@ FAMILIES: dict[str, ModuleType] = {
     "mistral3": mistral3,
     "qwen3vl": qwen3vl,
     "qwen3vlmoe": qwen3vlmoe,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35moe,
+    "qwen3next": qwen3next,
 }
 
 
@@ -78,6 +84,8 @@ def load_model(
             default_executor(moe_threads, moe_precise, moe_poll_us), _core.MoeCounters(cfg.n_layers)
         )
         make_ffn = family.ffn_factory(moe)
-    model = Transformer(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
+    # A family may build its own Transformer (the hybrids: HybridTransformer).
+    model_class = getattr(family, "MODEL", Transformer)
+    model = model_class(gguf, cfg, feat, attn_scale=scale, progress=progress, make_ffn=make_ffn)
     model.moe = moe
     return model

@@ -94,6 +94,17 @@ class ModelConfig:
     """deepseek2: rank of the kv compression; None: hidden / 4."""
     v_head_dim: int | None = None
     """deepseek2: value head size; None: head_dim - rope_dim."""
+    # ---- Gated DeltaNet linear attention (qwen35, qwen35moe, qwen3next; archs_hybrid.py) ----
+    linear_k_heads: int | None = None
+    """Key (and query) heads of the linear-attention layers; None: hidden / linear_head_dim."""
+    linear_v_heads: int | None = None
+    """Value heads of the linear-attention layers; None: twice the key heads."""
+    linear_head_dim: int | None = None
+    """The linear attention's key and value head size; None: min(128, hidden / 2)."""
+    conv_kernel: int | None = None
+    """Width of the causal depthwise conv1d; None: 4."""
+    full_attention_interval: int | None = None
+    """Every N-th layer is full attention, the others linear; None: 4."""
 
 
 #: ModelConfig fields only some architectures accept (``ArchSpec.options``), with the value
@@ -119,6 +130,11 @@ OPTIONAL_FIELDS: dict[str, Any] = {
         "q_lora_rank",
         "kv_lora_rank",
         "v_head_dim",
+        "linear_k_heads",
+        "linear_v_heads",
+        "linear_head_dim",
+        "conv_kernel",
+        "full_attention_interval",
     )
 }
 
@@ -452,7 +468,8 @@ class Gemma3(ArchSpec):
             )
 
 
-# The MoE architectures subclass ArchSpec, so they are defined after it.
+# The MoE, hybrid and other architectures subclass ArchSpec, so they are defined after it.
+from freetoken.testmodel.archs_hybrid import HYBRID_ARCHS  # noqa: E402
 from freetoken.testmodel.archs_moe import MOE_ARCHS  # noqa: E402
 from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
 
@@ -460,7 +477,7 @@ from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
 ARCHS: dict[str, ArchSpec] = {
     # llama is among the MoE architectures: Mixtral shares it (dense when experts == 0).
     a.name: a
-    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS)
+    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS, *HYBRID_ARCHS)
 }
 
 

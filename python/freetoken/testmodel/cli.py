@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from freetoken.errors import FreeTokenError
+from freetoken.errors import FreeTokenError, InvalidInputError
 from freetoken.testmodel.archs import ARCHS, OPTIONAL_FIELDS, swa_pattern_from_text
+from freetoken.testmodel.archs_hybrid import SHAPE_PRESETS
 from freetoken.testmodel.check import MIN_TOP1, top1_probabilities
 from freetoken.testmodel.routing import ZIPF_S
 from freetoken.testmodel.writer import ROUTINGS, make_test_model
@@ -52,6 +53,13 @@ MoE examples:
       --expert-groups-used 2 --expert-weights-scale 2.5
 Router weights are F32 (llama-quantize leaves ffn_gate_inp unquantized).
 
+Gated DeltaNet hybrids (qwen35, qwen35moe, qwen3next): every --full-attention-interval-th
+layer gated full attention (partial RoPE over --rope-dim, default a quarter of the head), the
+others linear attention (--linear-k-heads, --linear-v-heads, --linear-head-dim, --conv-kernel);
+quant names attn_qkv attn_gate ssm_beta ssm_alpha ssm_ba ssm_out (group ssm); ssm_conv1d is F32.
+  --preset qwen3.5-35b-a3b --layers 8 --quant q8_0,exps=q4_k      (an 8-layer cut)
+  --preset qwen3-next-80b-a3b
+
 big and skewed MoE models:
   --routing zipf gives each MoE layer hot experts: the route shares are about proportional to
   rank^-S (--zipf-s, default 0.55: with 128 experts the hottest 25% take half of the routes,
@@ -90,11 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = _DESCRIPTION
     parser.epilog = _EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--arch", required=True, choices=sorted(ARCHS), help="architecture")
-    parser.add_argument("--layers", type=int, default=2, help="blocks (default 2)")
-    parser.add_argument("--hidden", type=int, default=256, help="embedding size (default 256)")
-    parser.add_argument("--ffn", type=int, default=512, help="FFN size (default 512)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument(
+        "--arch", choices=sorted(ARCHS), help="architecture (required unless --preset gives it)"
+    )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(SHAPE_PRESETS),
+        help="a benchmark model's shape (architecture and sizes); the flags given override it",
+    )
+    parser.add_argument("--layers", type=int, help="blocks (default 2)")
+    parser.add_argument("--hidden", type=int, help="embedding size (default 256)")
+    parser.add_argument("--ffn", type=int, help="FFN size (default 512)")
+    parser.add_argument("--heads", type=int, help="attention heads (default 4)")
     parser.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     parser.add_argument("--head-dim", type=int, help="head size (default: hidden / heads)")
     parser.add_argument(
@@ -131,22 +146,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gemma3: RoPE base of the sliding layers (default: no key, llama.cpp's 10000)",
     )
     moe = parser.add_argument_group(
-        "mixture of experts (qwen3moe qwen2moe llama olmoe gpt-oss glm4moe deepseek2)"
+        "mixture of experts (qwen3moe qwen2moe llama olmoe gpt-oss glm4moe deepseek2 qwen35moe "
+        "qwen3next)"
     )
     moe.add_argument(
         "--experts",
         type=int,
-        default=0,
         metavar="E",
         help="routed experts per layer (default 8; llama: 0, dense, else Mixtral)",
     )
-    moe.add_argument(
-        "--top-k", type=int, default=0, metavar="K", help="experts per token (default 2)"
-    )
+    moe.add_argument("--top-k", type=int, metavar="K", help="experts per token (default 2)")
     moe.add_argument(
         "--expert-ffn",
         type=int,
-        default=0,
         metavar="I",
         help="one expert's FFN width (default: --ffn)",
     )
@@ -222,6 +234,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attn.add_argument(
         "--v-head-dim", type=int, help="deepseek2: value head size (default head-dim - rope-dim)"
     )
+    lin = parser.add_argument_group("Gated DeltaNet linear attention (qwen35 qwen35moe qwen3next)")
+    lin.add_argument(
+        "--linear-k-heads",
+        type=int,
+        metavar="N",
+        help="query/key heads of the linear attention (default hidden / head size)",
+    )
+    lin.add_argument(
+        "--linear-v-heads", type=int, metavar="N", help="value heads (default twice the key heads)"
+    )
+    lin.add_argument(
+        "--linear-head-dim", type=int, metavar="D", help="key and value head size (default "
+        "min(128, hidden / 2))"
+    )  # fmt: skip
+    lin.add_argument("--conv-kernel", type=int, metavar="K", help="conv1d width (default 4)")
+    lin.add_argument(
+        "--full-attention-interval",
+        type=int,
+        metavar="N",
+        help="every N-th layer full attention, the others linear (default 4)",
+    )
     big = parser.add_argument_group("big and skewed MoE models (see below)")
     big.add_argument(
         "--routing",
@@ -259,8 +292,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The shape flags' defaults where neither the flag nor a preset gives a value.
+_SHAPE_DEFAULTS: dict[str, object] = {
+    "layers": 2, "hidden": 256, "ffn": 512, "heads": 4, "experts": 0, "top_k": 0,
+    "expert_ffn": 0,
+}  # fmt: skip
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    """Fills the flags not given from ``--preset`` and then from :data:`_SHAPE_DEFAULTS`."""
+    preset = SHAPE_PRESETS[args.preset] if args.preset else {}
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for key, value in _SHAPE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.arch is None:
+        raise InvalidInputError("give --arch or --preset")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs make-test-model with parsed ``args``; FreeTokenError on bad input or a flat model."""
+    _apply_preset(args)
     swa = None
     if args.swa_pattern is not None:
         swa = swa_pattern_from_text(args.swa_pattern, args.layers)

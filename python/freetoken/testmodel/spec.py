@@ -13,7 +13,8 @@ Grammar (whitespace around items is ignored, type and tensor names are case-inse
                                         ffn_gate_exps ffn_up_exps ffn_down_exps ffn_gate_shexp ...
               | a group                 attn (every attn_* matrix), ffn (every ffn_* matrix,
                                         experts included), exps (routed experts),
-                                        shexp (shared experts), embd (= token_embd), * (all)
+                                        shexp (shared experts), ssm (linear attention's
+                                        ssm_* matrices), embd (= token_embd), * (all)
               | a glob over short names ffn_*_exps, attn_[qk]
 
 Rules are applied in order and the last rule that matches a tensor wins; the default (at most
@@ -89,6 +90,12 @@ KNOWN_NAMES = frozenset(
         "attn_kv_b",
         "attn_k_b",
         "attn_v_b",
+        # Gated DeltaNet linear attention (qwen35, qwen35moe, qwen3next)
+        "attn_gate",
+        "ssm_beta",
+        "ssm_alpha",
+        "ssm_ba",
+        "ssm_out",
     }
 )
 
@@ -100,6 +107,7 @@ GROUPS = {
     "exps": lambda s: s.endswith("_exps"),
     "shexp": lambda s: s.endswith("_shexp"),
     "embd": lambda s: s == "token_embd",
+    "ssm": lambda s: s.startswith("ssm_"),
 }
 
 # llama-quantize's fallback table (src/llama-quant.cpp, tensor_type_fallback).

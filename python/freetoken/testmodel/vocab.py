@@ -43,6 +43,10 @@ DEFAULT_VOCABS: dict[str, str | None] = {
     "gpt-oss": "ggml-vocab-qwen2.gguf",
     "glm4moe": "ggml-vocab-qwen2.gguf",
     "deepseek2": "ggml-vocab-deepseek-llm.gguf",
+    "qwen35": "ggml-vocab-qwen35.gguf",
+    "qwen35moe": "ggml-vocab-qwen35.gguf",
+    # Qwen3-Next has the Qwen2/3 vocabulary.
+    "qwen3next": "ggml-vocab-qwen2.gguf",
 }
 
 # GGUF token types (llama.cpp's llama_token_type).

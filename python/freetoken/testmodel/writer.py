@@ -331,6 +331,10 @@ class WeightGen:
             self.routed_gain = 1.0 / math.sqrt(routed_power(routing, cfg.experts, self.popularity))
         # qwen2moe scales the shared expert by sigmoid(z), z ~ N(0, 1).
         self.shexp_gain = 1.0 / _sigmoid_rms() if getattr(arch, "shared_gate", False) else 1.0
+        # Gated attention (the hybrids) scales the heads' averaged values by sigmoid(gate):
+        # 2 / RMS(sigmoid) brings the block back to the others' size (measured: without it
+        # zeroing a full-attention layer moved the distribution by a KL of 0.01 only).
+        self.attn_gain = 2.0 / _sigmoid_rms() if getattr(arch, "gated_attention", False) else 1.0
 
     def rng(self, name: str) -> np.random.Generator:
         """The generator of tensor ``name``."""
@@ -468,6 +472,10 @@ class WeightGen:
         if role == "post_norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             return (w * np.float32(self.block_rms)).astype(np.float32)
+        if role == "ssm_a":
+            # The decay rates -exp(A_log): per-token decays exp(softplus(alpha + dt) * a)
+            # between about 0.4 and 0.95.
+            return -(0.1 + 0.9 * rng.random(t.shape, dtype=np.float32)).astype(np.float32)
         std = {
             "bias": BIAS_STD,
             "out_bias": OUT_BIAS_SCALE * self.block_rms * self.moe_share,
@@ -488,6 +496,9 @@ class WeightGen:
             if t.short in ("attn_q", "attn_q_b") and not arch.uses_qk_norm(self.cfg):
                 std *= ATTN_SHARPNESS
             return std
+        if role == "conv":
+            # A depthwise conv over conv_kernel taps of unit-size inputs.
+            return 1.0 / math.sqrt(t.k)
         if role == "mla_kb":
             # k_nope = c @ attn_k_b[head]: the sum runs over the kv_lora_rank axis.
             return 1.0 / math.sqrt(t.shape[-2])
@@ -496,7 +507,7 @@ class WeightGen:
         if role == "attn_out":
             # Inputs have unit-size entries; the output should have RMS block_rms (unless a
             # post norm sets the size).
-            return ffn_out / math.sqrt(t.k)
+            return ffn_out * self.attn_gain / math.sqrt(t.k)
         if role == "ffn_out":
             return ffn_out / (math.sqrt(t.k) * self.act_rms)
         if role == "exp_out":

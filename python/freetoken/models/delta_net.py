@@ -1,0 +1,285 @@
+"""Gated DeltaNet linear attention (the recurrent layers of Qwen3.5 and Qwen3-Next).
+
+Per token ``t`` and value head ``h``, with the head's key/query head ``k_t, q_t`` (L2-normed,
+``q`` scaled by ``1/sqrt(d)``), value ``v_t``, decay ``g_t = softplus(alpha_t + dt) * a``
+(``a = -exp(A_log)``, so ``g_t < 0``) and ``beta_t = sigmoid(b_t)``, the state
+``S [d_k, d_v]`` runs the gated delta rule::
+
+    S' = exp(g_t) S
+    S  = S' + k_t (beta_t (v_t - S'^T k_t))^T
+    o_t = S^T q_t
+
+:func:`delta_rule_step` is that recurrence as written (decode, one token per step);
+:func:`delta_rule_chunked` computes the same over a prompt in chunks of :data:`CHUNK` tokens:
+inside a chunk the corrections ``w_t = beta_t (v_t - S'^T k_t)`` solve one unit lower
+triangular system ``(I + L) W = beta V - diag(beta exp(G)) K S_0`` (``L[t, s] = beta_t
+(k_t . k_s) exp(G_t - G_s)`` for ``s < t``, ``G`` the running sum of ``g`` in the chunk), so
+every chunk is a few batched matrix products and one triangular solve, and only the chunks
+are a loop.
+
+Around it (:class:`DeltaNetLayer`): the fused ``attn_qkv`` projection through a causal
+depthwise conv1d (its last ``conv_kernel - 1`` inputs are the rolling conv state) and SiLU,
+split into q, k, v; the heads' output RMS-normed per head by ``ssm_norm``, gated by
+``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.errors import GGUFError
+from freetoken.gguf import GGUFFile
+from freetoken.models.layers import Linear, linear_group, load_vector, rms_norm
+
+__all__ = [
+    "CHUNK",
+    "DeltaNetLayer",
+    "DeltaNetShape",
+    "causal_conv",
+    "delta_rule_chunked",
+    "delta_rule_step",
+    "l2_norm",
+]
+
+#: Tokens per chunk of the chunked recurrence (llama.cpp's is 64 too).
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The linear attention's sizes (llama.cpp's ``ssm.*`` keys) and head layout."""
+
+    k_heads: int
+    """Query/key heads (``ssm.group_count``)."""
+    v_heads: int
+    """Value heads (``ssm.time_step_rank``)."""
+    head_dim: int
+    """Key and value head size (``ssm.state_size``)."""
+    conv_kernel: int
+    """The conv1d's width (``ssm.conv_kernel``)."""
+    grouped: bool
+    """Value heads grouped by key head (qwen3next: head ``h`` reads key head ``h // r``);
+    else tiled (qwen35: key head ``h % k_heads``), as the converter orders them."""
+
+    @property
+    def channels(self) -> int:
+        """The conv's channels: q, k and v."""
+        return (2 * self.k_heads + self.v_heads) * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """The width of the value heads together."""
+        return self.v_heads * self.head_dim
+
+    @classmethod
+    def from_metadata(cls, meta: dict, arch: str, grouped: bool) -> DeltaNetShape:
+        """Reads the ``{arch}.ssm.*`` keys; GGUFError naming the key on a bad value."""
+
+        def key(name: str) -> int:
+            full = f"{arch}.ssm.{name}"
+            value = meta.get(full)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GGUFError(f"metadata `{full}` is {value!r}, expected a positive integer")
+            return value
+
+        shape = cls(
+            k_heads=key("group_count"),
+            v_heads=key("time_step_rank"),
+            head_dim=key("state_size"),
+            conv_kernel=key("conv_kernel"),
+            grouped=grouped,
+        )
+        if shape.v_heads % shape.k_heads:
+            raise GGUFError(
+                f"metadata `{arch}.ssm.time_step_rank` ({shape.v_heads} value heads) is not a "
+                f"multiple of `{arch}.ssm.group_count` ({shape.k_heads} key heads)"
+            )
+        inner = key("inner_size")
+        if inner != shape.value_dim:
+            raise GGUFError(
+                f"metadata `{arch}.ssm.inner_size` is {inner}, expected time_step_rank * "
+                f"state_size = {shape.value_dim}"
+            )
+        if shape.conv_kernel < 2:
+            raise GGUFError(f"metadata `{arch}.ssm.conv_kernel` is {shape.conv_kernel}, need >= 2")
+        return shape
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (llama.cpp's ``build_gdn_l2_norm``)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal conv of ``x [T, C]`` after ``state [K-1, C]`` (the previous
+    inputs) with ``weight [C, K]`` (tap ``K-1`` on the current token); returns the output
+    ``[T, C]`` and the new state (the last ``K-1`` inputs)."""
+    k = weight.shape[1]
+    xs = torch.cat([state, x])
+    windows = xs.unfold(0, k, 1)  # [T, C, K]
+    return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :].clone()
+
+
+def delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token: ``q, k, v [H, T, d]`` (q already scaled), ``g, beta
+    [H, T]``, ``state [H, d_k, d_v]``; returns the outputs ``[H, T, d_v]`` and the state.
+    Decode runs it with ``T = 1``."""
+    s = state
+    outs = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[:, None, None]
+        kt = k[:, t]
+        delta = (v[:, t] - torch.einsum("hkv,hk->hv", s, kt)) * beta[:, t, None]
+        s = s + kt[:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", s, q[:, t]))
+    return torch.stack(outs, 1), s
+
+
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as :func:`delta_rule_step` computed per chunk (module docstring). The last
+    chunk is padded with tokens of zero key, value and beta and no decay, which leave the
+    state as it is."""
+    h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (t + pad) // chunk
+    q = q.view(h, n, chunk, dk)
+    k = k.view(h, n, chunk, dk)
+    v = v.view(h, n, chunk, dv)
+    cum = g.view(h, n, chunk).cumsum(-1)  # G within each chunk
+    beta = beta.view(h, n, chunk)
+    # exp(G_t - G_s) on and below the diagonal, 0 above (never exp of a positive number).
+    diff = cum[..., :, None] - cum[..., None, :]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(lower, diff, torch.full_like(diff, -math.inf)).exp()
+    kb = k * beta[..., None]
+    strict = (kb @ k.transpose(-1, -2)) * decay
+    strict = strict.tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    # (I + L) X = [beta V | beta exp(G) K]: the values and the keys' pull on the state.
+    rhs = torch.cat([v * beta[..., None], kb * cum.exp()[..., None]], -1)
+    solved = torch.linalg.solve_triangular(strict + eye, rhs, upper=False, unitriangular=True)
+    value, k_cum = solved.split([dv, dk], -1)
+    qk = ((q @ k.transpose(-1, -2)) * decay).tril()
+    q_decay = q * cum.exp()[..., None]
+    last = cum[..., -1]  # [h, n]
+    k_tail = k * (last[..., None] - cum).exp()[..., None]
+    s = state
+    outs = []
+    for c in range(n):
+        w = value[:, c] - k_cum[:, c] @ s
+        outs.append(q_decay[:, c] @ s + qk[:, c] @ w)
+        s = s * last[:, c].exp()[:, None, None] + k_tail[:, c].transpose(-1, -2) @ w
+    o = torch.cat(outs, 1)[:, :t]
+    return o, s
+
+
+class DeltaNetLayer:
+    """One Gated DeltaNet layer's weights and computation (module docstring). ``fused_ba``:
+    one ``ssm_ba`` matrix holds, per key head, its value heads' beta rows and then their
+    alpha rows (qwen3next); else ``ssm_beta`` and ``ssm_alpha`` (qwen35)."""
+
+    def __init__(
+        self, gguf: GGUFFile, i: int, hidden: int, shape: DeltaNetShape, fused_ba: bool
+    ) -> None:
+        p = f"blk.{i}."
+        s = shape
+        self.shape = s
+        self.qkv = Linear(gguf, p + "attn_qkv", (s.channels, hidden))
+        self.gate = Linear(gguf, p + "attn_gate", (s.value_dim, hidden))
+        if fused_ba:
+            self.ba: tuple[Linear, ...] = (Linear(gguf, p + "ssm_ba", (2 * s.v_heads, hidden)),)
+        else:
+            self.ba = (
+                Linear(gguf, p + "ssm_beta", (s.v_heads, hidden)),
+                Linear(gguf, p + "ssm_alpha", (s.v_heads, hidden)),
+            )
+        gguf.expect(p + "ssm_conv1d.weight", (s.channels, s.conv_kernel))
+        self.conv = torch.from_numpy(gguf.array(p + "ssm_conv1d.weight").copy()).reshape(
+            s.channels, s.conv_kernel
+        )
+        self.dt = load_vector(gguf, p + "ssm_dt.bias", s.v_heads)
+        self.a = load_vector(gguf, p + "ssm_a", s.v_heads)
+        self.norm = load_vector(gguf, p + "ssm_norm.weight", s.head_dim)
+        self.out = Linear(gguf, p + "ssm_out", (hidden, s.value_dim))
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """The conv state's and the delta-rule state's shapes for one sequence."""
+        s = self.shape
+        return (s.conv_kernel - 1, s.channels), (s.v_heads, s.head_dim, s.head_dim)
+
+    def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
+        if len(self.ba) == 2:
+            b, a = linear_group(self.ba, x)
+            return b, a
+        r = s.v_heads // s.k_heads
+        ba = self.ba[0](x).view(x.shape[0], s.k_heads, 2 * r)
+        return ba[..., :r].reshape(-1, s.v_heads), ba[..., r:].reshape(-1, s.v_heads)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        spans: list[tuple[int, torch.Tensor, torch.Tensor]],
+        eps: float,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The layer's output ``[T, hidden]`` for the rows of ``x [T, hidden]``, cut into
+        sequences ``spans`` of (rows, conv state, delta-rule state); returns it with each
+        sequence's new states."""
+        s = self.shape
+        d, r = s.head_dim, s.v_heads // s.k_heads
+        mixed, z = linear_group((self.qkv, self.gate), x)
+        b, a = self._beta_alpha(x)
+        beta = torch.sigmoid(b)
+        g = F.softplus(a + self.dt) * self.a
+        outs, states, row = [], [], 0
+        for n, conv_state, ssm_state in spans:
+            rows = slice(row, row + n)
+            y, conv_state = causal_conv(mixed[rows], conv_state, self.conv)
+            y = F.silu(y)
+            q, k, v = y.split([s.k_heads * d, s.k_heads * d, s.value_dim], -1)
+            q = l2_norm(q.view(n, s.k_heads, d), eps) / math.sqrt(d)
+            k = l2_norm(k.view(n, s.k_heads, d), eps)
+            if r > 1:
+                q, k = (
+                    (t.repeat_interleave(r, 1) if s.grouped else t.repeat(1, r, 1)) for t in (q, k)
+                )
+            args = (
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.view(n, s.v_heads, d).transpose(0, 1),
+                g[rows].T,
+                beta[rows].T,
+                ssm_state,
+            )
+            o, ssm_state = delta_rule_step(*args) if n == 1 else delta_rule_chunked(*args)
+            outs.append(o.transpose(0, 1))
+            states.append((conv_state, ssm_state))
+            row += n
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, d))
+        return self.out(o.reshape(-1, s.value_dim)), states

@@ -1,0 +1,81 @@
+"""One sequence's cache for hybrid models: the KV cache of the full-attention layers and, beside
+it, the recurrent state of the linear-attention layers (conv state and delta-rule state).
+
+A recurrent state holds one position only, the last one: it cannot be cut back as keys and
+values can. So the cache keeps snapshots of the states where recent multi-token steps (prompt
+chunks) ended, and :meth:`HybridCache.truncate` restores the latest snapshot at or before the
+asked length: the positions after it run again (none saved: from the start). Decode steps
+(one token each) take no snapshot: the next turn of a chat continues from the current state,
+which is always valid at :attr:`length`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from freetoken.runtime.kv_cache import KVCache
+
+__all__ = ["MAX_SNAPSHOTS", "HybridCache"]
+
+#: Snapshots of the recurrent states a cache keeps (the latest ones).
+MAX_SNAPSHOTS = 4
+
+
+class HybridCache(KVCache):
+    """A :class:`KVCache` over the full-attention layers plus per linear-attention layer a
+    conv state ``conv[i]`` and a delta-rule state ``ssm[i]`` (float32, zeros when empty)."""
+
+    def __init__(
+        self,
+        n_attn_layers: int,
+        n_ctx: int,
+        n_kv_heads: int,
+        head_dim_k: int,
+        head_dim_v: int,
+        state_shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+        device: torch.device | str = "cpu",
+        max_snapshots: int = MAX_SNAPSHOTS,
+    ) -> None:
+        super().__init__(n_attn_layers, n_ctx, n_kv_heads, head_dim_k, head_dim_v, device=device)
+        self.conv = [torch.zeros(c, device=device) for c, _ in state_shapes]
+        self.ssm = [torch.zeros(s, device=device) for _, s in state_shapes]
+        self.max_snapshots = max_snapshots
+        #: Length -> copies of (conv, ssm) at that length, oldest first.
+        self._snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Replaces recurrent layer ``layer``'s states (after a step ran it)."""
+        self.conv[layer], self.ssm[layer] = conv, ssm
+
+    def commit(self, n_new: int) -> None:
+        """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states."""
+        super().commit(n_new)
+        if n_new > 1 and self.max_snapshots > 0:
+            self._snapshots.pop(self.length, None)
+            self._snapshots[self.length] = (
+                [c.clone() for c in self.conv],
+                [s.clone() for s in self.ssm],
+            )
+            while len(self._snapshots) > self.max_snapshots:
+                del self._snapshots[next(iter(self._snapshots))]
+
+    def truncate(self, length: int) -> int:
+        """Keeps positions up to ``length`` where the states can be restored there: the
+        current length, else the latest snapshot at or before ``length``, else none.
+        Returns the length kept."""
+        length = min(self.length, max(0, length))
+        if length < self.length:
+            kept = max((n for n in self._snapshots if n <= length), default=0)
+            if kept:
+                conv, ssm = self._snapshots[kept]
+                self.conv = [c.clone() for c in conv]
+                self.ssm = [s.clone() for s in ssm]
+            else:
+                # New tensors: the old ones may be inference tensors, not writable here.
+                self.conv = [torch.zeros_like(c) for c in self.conv]
+                self.ssm = [torch.zeros_like(s) for s in self.ssm]
+            for n in [n for n in self._snapshots if n > kept]:
+                del self._snapshots[n]
+            length = kept
+        return super().truncate(length)
