@@ -205,7 +205,8 @@ class HybridTransformer(Transformer):
         return c.n_kv_heads, c.head_dim, c.head_dim
 
     def _state_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [blk.delta.state_shapes() for blk in self.blocks if blk.delta is not None]
+        deltas = [blk.delta for blk in self.blocks if isinstance(blk, HybridBlock)]
+        return [d.state_shapes() for d in deltas if d is not None]
 
     def kv_bytes(self, n_ctx: int) -> int:
         """Bytes of one sequence's cache of ``n_ctx`` positions (float32): the full-attention
