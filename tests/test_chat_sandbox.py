@@ -76,3 +76,14 @@ def test_a_template_nested_too_deeply_to_compile_is_refused() -> None:
     # Found by fuzz/fuzz_python.py chat_template: the parser's recursion.
     with pytest.raises(FreeTokenError, match="nests too deeply"):
         render_chat_template("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", MESSAGES)
+
+
+def test_repeating_an_empty_string_a_huge_number_of_times_is_refused() -> None:
+    # Found by fuzz/fuzz_python.py chat_template: '' * n with n past an index raised
+    # OverflowError out of the renderer.
+    with pytest.raises(InvalidInputError):
+        render_chat_template("{{ '' * 111111111111111111111111111111 }}", MESSAGES)
+    with pytest.raises(InvalidInputError):
+        render_chat_template(
+            "{{ 'ab'[1:111111111111111111111111111111] ~ (1.5 ** 400) }}", MESSAGES
+        )

@@ -189,5 +189,13 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise InvalidInputError(f"chat template: {e}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as e:
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        RecursionError,
+        OverflowError,
+    ) as e:
         raise InvalidInputError(f"chat template failed on this conversation: {e}") from None

@@ -111,7 +111,7 @@ class LimitedEnvironment(ImmutableSandboxedEnvironment):
         elif operator == "*":
             for seq, n in ((left, right), (right, left)):
                 size = _size(seq)
-                if size is not None and isinstance(n, int) and size * n > MAX_REPEAT:
+                if size is not None and isinstance(n, int) and max(size, 1) * n > MAX_REPEAT:
                     raise SecurityError(f"a repetition of more than {MAX_REPEAT} items")
         elif (
             isinstance(left, int | float)
