@@ -296,7 +296,9 @@ def test_hybrid_steps_match_the_reference(policy: str, seed: int) -> None:
 def test_policy_options_are_checked() -> None:
     assert SlotCache(4, 8).policy == "lru" and SlotCache(4, 8).policy_params is None
     c = SlotCache(4, 8, "adaptive", half_life=32, margin=0)
-    assert (c.policy, c.policy_params) == ("adaptive", (32.0, 0.0))
+    params = c.policy_params
+    assert c.policy == "adaptive" and params is not None
+    assert (params.half_life, params.margin) == (32.0, 0.0)
     assert SlotCache(4, 8, "adaptive").policy_params is not None
     assert SlotCache(4, 8).scores(0) is None and SlotCache(4, 8).score(0, 1) is None
     bad: list[dict[str, Any]] = [

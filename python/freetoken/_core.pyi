@@ -29,6 +29,7 @@ __all__ = [
     "HANDOFF_TAG",
     "HANDOFF_TIMEOUT",
     "HANDOFF_WORDS",
+    "AdaptiveParams",
     "CachePlan",
     "CudaDevice",
     "CudaStatus",
@@ -276,6 +277,13 @@ class MoeExecutor:
     ) -> MoeTicket: ...
 
 @final
+class AdaptiveParams:
+    @property
+    def half_life(self) -> float: ...
+    @property
+    def margin(self) -> float: ...
+
+@final
 class CudaStatus:
     @property
     def available(self) -> bool: ...
@@ -416,7 +424,7 @@ class SlotCache:
     @property
     def policy(self) -> str: ...
     @property
-    def policy_params(self) -> tuple[float, float] | None: ...
+    def policy_params(self) -> AdaptiveParams | None: ...
     @property
     def n_slots(self) -> int: ...
     @property

@@ -13,12 +13,21 @@ use pyo3::prelude::*;
 /// Registers this module's class and function on `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySlotCache>()?;
+    m.add_class::<PyAdaptiveParams>()?;
     m.add_class::<PyUpload>()?;
     m.add_class::<PyStats>()?;
     m.add_class::<PyPoolPlan>()?;
     m.add_class::<PyCachePlan>()?;
     m.add_function(wrap_pyfunction!(plan_pools, m)?)?;
     Ok(())
+}
+
+/// The adaptive policy's parameters: scores halve over `half_life` tokens, and a candidate
+/// replaces a slot's expert when its score beats the held one's by `margin`.
+#[pyclass(frozen, get_all, name = "AdaptiveParams")]
+pub struct PyAdaptiveParams {
+    half_life: f64,
+    margin: f64,
 }
 
 /// An expert to copy into `slot` before the GPU reads it; `evicted` is the (layer, expert)
@@ -98,12 +107,12 @@ impl PySlotCache {
         self.inner.policy().name()
     }
 
-    /// The adaptive policy's (half_life, margin); None under LRU.
+    /// The adaptive policy's parameters; None under LRU.
     #[getter]
-    fn policy_params(&self) -> Option<(f64, f64)> {
+    fn policy_params(&self) -> Option<PyAdaptiveParams> {
         match self.inner.policy() {
             Policy::Lru => None,
-            Policy::Adaptive { half_life, margin } => Some((half_life, margin)),
+            Policy::Adaptive { half_life, margin } => Some(PyAdaptiveParams { half_life, margin }),
         }
     }
 

@@ -180,8 +180,8 @@ class SlotCache:
         return self._c.policy
 
     @property
-    def policy_params(self) -> tuple[float, float] | None:
-        """The adaptive policy's ``(half_life, margin)``; None under LRU."""
+    def policy_params(self) -> _core.AdaptiveParams | None:
+        """The adaptive policy's ``half_life`` and ``margin``; None under LRU."""
         return self._c.policy_params
 
     @property
