@@ -86,11 +86,11 @@ for t in "${TARGETS[@]}"; do
         exit 2
         ;;
     esac
-    grep -E "^(#[0-9]+|Done)" "$FUZZ/$t.log" | tail -1 >&2 || true
+    grep -aE "^(#[0-9]+|Done)" "$FUZZ/$t.log" | tail -1 >&2 || true
     if [ "$(findings)" -gt "$before" ]; then
         log "$t FOUND something: $(ls -t "$FINDINGS" | head -1) (log: $FUZZ/$t.log)"
         status=1
-    elif ! grep -q "^Done" "$FUZZ/$t.log"; then
+    elif ! grep -aq "^Done" "$FUZZ/$t.log"; then
         log "$t did not finish (log: $FUZZ/$t.log)"
         tail -20 "$FUZZ/$t.log" >&2
         status=1
