@@ -75,9 +75,7 @@ class NormedFFN:
     """``post(ffn(pre(x)))``: the dense FFN of a MoE layer with its own norms, the shared
     expert beside the routed ones."""
 
-    def __init__(
-        self, ffn: DenseFFN, pre: torch.Tensor, post: torch.Tensor, eps: float
-    ) -> None:
+    def __init__(self, ffn: DenseFFN, pre: torch.Tensor, post: torch.Tensor, eps: float) -> None:
         self.ffn, self.pre, self.post, self.eps = ffn, pre, post, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +259,8 @@ class Gemma4Transformer(Transformer):
         a = blk.wo(self._attention(i, blk, rms_norm(x, blk.attn_norm, eps), step))
         x = x + rms_norm(a, blk.post_attn_norm, eps)
         # A MoE layer norms its two inputs itself (module docstring).
-        f = blk.ffn(x) if isinstance(blk.ffn, Gemma4MoE) else blk.ffn(rms_norm(x, blk.ffn_norm, eps))
+        moe = isinstance(blk.ffn, Gemma4MoE)
+        f = blk.ffn(x) if moe else blk.ffn(rms_norm(x, blk.ffn_norm, eps))
         return x + rms_norm(f, blk.post_ffn_norm, eps)
 
 
