@@ -92,8 +92,11 @@ class Gemma4MoE(MoeFFN):
         p, h, eps = f"blk.{i}.", cfg.hidden, cfg.norm_eps
         router = Linear(gguf, p + "ffn_gate_inp", (cfg.n_experts, h))
         fused = p + "ffn_gate_up_exps.weight"
-        names = {"gate_up": [fused]} if fused in gguf else {}
-        layer = expert_layer(gguf, ctx, i, act="gelu", **names)
+        layer = (
+            expert_layer(gguf, ctx, i, act="gelu", gate_up=[fused])
+            if fused in gguf
+            else expert_layer(gguf, ctx, i, act="gelu")
+        )
         if layer.n_experts != cfg.n_experts:
             raise GGUFError(
                 f"{p}ffn_down_exps.weight holds {layer.n_experts} experts, the metadata "
