@@ -99,7 +99,8 @@ def _compare(path: Path, root: Path, others: list[Path]) -> list[tuple[Compariso
             want = refs[0].logits(seq)[rows]
             got = ours.logits(seq)[rows].numpy()
             assert np.isfinite(got).all()
-            out.append((compare(want, got), *(compare(want, r.logits(seq)[rows]) for r in refs[1:])))
+            others_c = [compare(want, r.logits(seq)[rows]) for r in refs[1:]]
+            out.append((compare(want, got), *others_c))
         return out
     finally:
         for r in refs:
@@ -235,7 +236,7 @@ def test_chat_template_renders() -> None:
     from freetoken.tokenizer.chat import render_chat_template
 
     try:
-        template = (llama_tree() / "models" / "templates" / "google-gemma-4-31B-it.jinja")
+        template = llama_tree() / "models" / "templates" / "google-gemma-4-31B-it.jinja"
         text = template.read_text()
     except FreeTokenError as e:
         pytest.skip(str(e))
