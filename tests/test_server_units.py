@@ -76,6 +76,26 @@ CASES = [
         "<minimax:tool_call>oops</minimax:tool_call> b",
         [],
     ),
+    (
+        "gemma4 two calls and text",
+        'Let me check.\n<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>C<|"|>}'
+        "<tool_call|><|tool_call>call:f{days:[1,2.5],opts:{deep:true,tag:null},"
+        'note:<|"|>a, b: {c}<|"|>}<tool_call|>',
+        None,
+        "Let me check.\n",
+        [
+            ("get_weather", ARGS),
+            ("f", {"days": [1, 2.5], "opts": {"deep": True, "tag": None}, "note": "a, b: {c}"}),
+        ],
+    ),
+    ("gemma4 no arguments", "<|tool_call>call:now{}<tool_call|>", None, "", [("now", {})]),
+    (
+        "broken gemma4",
+        '<|tool_call>call:f{a:<|"|>x}<tool_call|> b',
+        None,
+        '<|tool_call>call:f{a:<|"|>x}<tool_call|> b',
+        [],
+    ),
     ("mistral v3", f"[TOOL_CALLS][{WEATHER}]", None, "", [("get_weather", ARGS)]),
     (
         "mistral v11",

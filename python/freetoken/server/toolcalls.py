@@ -10,6 +10,9 @@ Formats recognised in the model's output:
 * MiniMax-M2: ``<minimax:tool_call>`` around one or more
   ``<invoke name="..."><parameter name="key">value</parameter>...</invoke>``, each value JSON
   where it parses as JSON (the template writes non-strings with ``tojson``), else a string;
+* Gemma 4: ``<|tool_call>call:name{key:value,...}<tool_call|>``, one block per call; values
+  are ``<|"|>``-quoted strings, bare numbers, booleans and null, ``{...}`` objects (keys
+  bare or quoted) and ``[...]`` lists, as its template writes arguments;
 * Llama 3: the whole reply is one JSON object ``{"name": ..., "parameters": {...}}`` (or
   several separated by ``;``), optionally after ``<|python_tag|>``; without the tag it counts
   as a call only when the name is one of the request's tools, so ordinary JSON answers pass;
@@ -39,6 +42,7 @@ __all__ = [
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_TAG = "[TOOL_CALLS]"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 PYTHON_TAG = "<|python_tag|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -129,7 +133,11 @@ def _parse_hermes_block(body: str) -> ToolCall | None:
 
 
 #: The block formats (a call per block or several): their opening and closing markers.
-_BLOCKS = {"hermes": (HERMES_OPEN, HERMES_CLOSE), "minimax": (MINIMAX_OPEN, MINIMAX_CLOSE)}
+_BLOCKS = {
+    "hermes": (HERMES_OPEN, HERMES_CLOSE),
+    "minimax": (MINIMAX_OPEN, MINIMAX_CLOSE),
+    "gemma4": (GEMMA4_OPEN, GEMMA4_CLOSE),
+}
 _MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>\s*', re.S)
 _MINIMAX_PARAM = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>\s*', re.S)
 
@@ -160,6 +168,60 @@ def _parse_minimax_block(body: str) -> list[ToolCall] | None:
         calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)))
         i = m.end()
     return calls or None
+
+
+_GEMMA4_BARE = re.compile(r"[^,:{}\[\]<]+")
+
+
+def _gemma4_value(text: str, i: int) -> tuple[Any, int]:
+    """The Gemma 4 argument value at ``text[i]`` and the index after it; ValueError if none."""
+    if text.startswith(GEMMA4_QUOTE, i):
+        end = text.find(GEMMA4_QUOTE, i + len(GEMMA4_QUOTE))
+        if end < 0:
+            raise ValueError("unclosed string")
+        return text[i + len(GEMMA4_QUOTE) : end], end + len(GEMMA4_QUOTE)
+    if text.startswith("{", i) or text.startswith("[", i):
+        mapping, close = text[i] == "{", "}" if text[i] == "{" else "]"
+        items: Any = {} if mapping else []
+        i += 1
+        while not text.startswith(close, i):
+            if mapping:
+                key, i = _gemma4_value(text, i)
+                if not isinstance(key, str) or not text.startswith(":", i):
+                    raise ValueError("expected key:value")
+                items[key], i = _gemma4_value(text, i + 1)
+            else:
+                value, i = _gemma4_value(text, i)
+                items.append(value)
+            if text.startswith(",", i):
+                i += 1
+            elif not text.startswith(close, i):
+                raise ValueError(f"expected , or {close}")
+        return items, i + 1
+    m = _GEMMA4_BARE.match(text, i)
+    if m is None:
+        raise ValueError("expected a value")
+    word = m.group(0).strip()
+    try:
+        return json.loads(word), m.end()
+    except ValueError:
+        return word, m.end()  # a bare word: an unquoted key, or text the model left bare
+
+
+def _parse_gemma4_block(body: str) -> list[ToolCall] | None:
+    """The call of one ``<|tool_call>`` body (``call:name{...}``); None if it is not one."""
+    body = body.strip()
+    brace = body.find("{")
+    if not body.startswith("call:") or brace < 0:
+        return None
+    name = body[len("call:") : brace].strip()
+    try:
+        args, end = _gemma4_value(body, brace)
+    except ValueError:
+        return None
+    if not name or end != len(body) or not isinstance(args, dict):
+        return None
+    return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
 
 
 def _parse_mistral(body: str) -> list[ToolCall] | None:
@@ -207,12 +269,12 @@ class ToolCallStream:
     ``tool_names`` (the request's tools) gates the markerless Llama 3 form.
     """
 
-    _MARKERS = (HERMES_OPEN, MINIMAX_OPEN, MISTRAL_TAG, PYTHON_TAG)
+    _MARKERS = (HERMES_OPEN, MINIMAX_OPEN, GEMMA4_OPEN, MISTRAL_TAG, PYTHON_TAG)
 
     def __init__(self, tool_names: Iterable[str] | None = None) -> None:
         self.names = set(tool_names) if tool_names is not None else None
         self.buf = ""
-        self.mode = "text"  # text | hermes | minimax | mistral | python | llama
+        self.mode = "text"  # text | hermes | minimax | gemma4 | mistral | python | llama
         self.seen_text = False  # any non-space content emitted yet
         self.n_calls = 0
         self.pending_ws = ""  # whitespace after a call: dropped if nothing else follows
@@ -252,6 +314,7 @@ class ToolCallStream:
                 self.mode = {
                     HERMES_OPEN: "hermes",
                     MINIMAX_OPEN: "minimax",
+                    GEMMA4_OPEN: "gemma4",
                     MISTRAL_TAG: "mistral",
                 }.get(m, "python")
             elif self.mode in _BLOCKS:
@@ -273,9 +336,11 @@ class ToolCallStream:
         return "".join(content), calls
 
     def _parse_block(self, body: str) -> list[ToolCall] | None:
-        """The calls of a block of the current mode (hermes or minimax)."""
+        """The calls of a block of the current mode (hermes, minimax or gemma4)."""
         if self.mode == "minimax":
             return _parse_minimax_block(body)
+        if self.mode == "gemma4":
+            return _parse_gemma4_block(body)
         call = _parse_hermes_block(body)
         return [call] if call else None
 
