@@ -189,8 +189,15 @@ def test_tool_call_streaming_emits_content_before_the_call() -> None:
 
 
 @pytest.mark.parametrize("step", [1, 2, 1000])
-def test_reasoning_split(step: int) -> None:
-    text = "<think>\nThe user greets me.\n</think>\n\nHello!"
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<think>\nThe user greets me.\n</think>\n\nHello!",
+        # Gemma 4: the thought channel, its name dropped.
+        "<|channel>thought\nThe user greets me.\n<channel|>Hello!",
+    ],
+)
+def test_reasoning_split(text: str, step: int) -> None:
     r = ReasoningSplitter()
     reasoning = content = ""
     for i in range(0, len(text), step):

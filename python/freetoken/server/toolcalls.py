@@ -16,7 +16,8 @@ Formats recognised in the model's output:
 * Llama 3: the whole reply is one JSON object ``{"name": ..., "parameters": {...}}`` (or
   several separated by ``;``), optionally after ``<|python_tag|>``; without the tag it counts
   as a call only when the name is one of the request's tools, so ordinary JSON answers pass;
-* reasoning: text inside ``<think>...</think>`` goes to ``reasoning_content``.
+* reasoning: text inside ``<think>...</think>`` (or Gemma 4's ``<|channel>thought\n...
+  <channel|>``, the channel's name dropped) goes to ``reasoning_content``.
 
 Nothing is lost: a block that does not parse is handed back as content, markers included.
 """
@@ -45,6 +46,8 @@ MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 PYTHON_TAG = "<|python_tag|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: Reasoning blocks: opening and closing tags, and the channel name after a Gemma 4 opening.
+_REASONING = {THINK_OPEN: (THINK_CLOSE, ""), "<|channel>": ("<channel|>", "thought")}
 
 # A bare JSON reply that may be a Llama 3 call: decided once the first key is visible.
 _LLAMA_HEAD = re.compile(r'\s*\{\s*"(name|type|function)"\s*:')
@@ -381,7 +384,8 @@ def parse_tool_calls(
 
 
 class ReasoningSplitter:
-    """Splits text into reasoning (inside ``<think>...</think>``) and content, incrementally.
+    """Splits text into reasoning (inside ``<think>...</think>`` or Gemma 4's channel) and
+    content, incrementally.
 
     ``start_inside`` is for templates that open the think block in the prompt (the output
     then starts with reasoning and only closes the tag).
@@ -389,6 +393,8 @@ class ReasoningSplitter:
 
     def __init__(self, start_inside: bool = False) -> None:
         self.inside = start_inside
+        self.close = THINK_CLOSE  # the tag that ends the block we are inside
+        self.name = ""  # a channel name still to drop at the start of the block
         self.buf = ""
         self.strip = start_inside  # drop the newlines a model writes right after a tag
 
@@ -398,12 +404,19 @@ class ReasoningSplitter:
         reasoning: list[str] = []
         content: list[str] = []
         while self.buf:
-            tag = THINK_CLOSE if self.inside else THINK_OPEN
-            i = self.buf.find(tag)
+            if self.name:
+                if len(self.buf) < len(self.name) and self.name.startswith(self.buf):
+                    break  # maybe the channel's name: wait for more
+                if self.buf.startswith(self.name):
+                    self.buf = self.buf[len(self.name) :]
+                self.name = ""
+            tags = [self.close] if self.inside else list(_REASONING)
+            hits = [(j, t) for t in tags if (j := self.buf.find(t)) >= 0]
+            i, tag = min(hits) if hits else (-1, "")
             if i >= 0:
                 part, self.buf = self.buf[:i], self.buf[i + len(tag) :]
             else:
-                keep = _held_back(self.buf, (tag,))
+                keep = _held_back(self.buf, tags)
                 part, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
             if self.strip:
                 part = part.lstrip()
@@ -411,6 +424,8 @@ class ReasoningSplitter:
             (reasoning if self.inside else content).append(part)
             if i < 0:
                 break
+            if not self.inside:
+                self.close, self.name = _REASONING[tag]
             self.inside = not self.inside
             self.strip = True
         return "".join(reasoning), "".join(content)
