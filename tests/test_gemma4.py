@@ -127,6 +127,9 @@ def test_agreement_resolves_the_feature(
     for prompt, (ours, ablated) in zip(
         PROMPTS, _compare(path, llama_ref_root, [other]), strict=True
     ):
+        print(
+            f"gemma4 {case} {prompt[:24]!r}: ours {ours.mean_kl:.5f}, ablated {ablated.mean_kl:.5f}"
+        )
         assert ablated.mean_kl >= ABLATION_RATIO * ours.mean_kl, (
             f"{case} {prompt!r}: ours {ours.describe()}; without the feature {ablated.describe()}"
         )
