@@ -46,7 +46,7 @@ quant spec (--quant): comma-separated items; the last rule that matches a tensor
 default vocabularies (--vocab), from the llama.cpp tree's models/: llama:
 ggml-vocab-llama-spm.gguf; qwen2, qwen3, qwen2moe, qwen3moe, gpt-oss, glm4moe:
 ggml-vocab-qwen2.gguf; olmoe: ggml-vocab-gpt-neox.gguf; deepseek2: ggml-vocab-deepseek-llm.gguf;
-gemma3: the default model's (Gemma 3 270M) tokenizer.
+gemma4: ggml-vocab-gemma-4.gguf; gemma3: the default model's (Gemma 3 270M) tokenizer.
 
 MoE examples:
   --arch qwen3moe --experts 16 --top-k 4 --expert-ffn 256 --quant q8_0,exps=q4_k

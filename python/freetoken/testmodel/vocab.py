@@ -47,6 +47,7 @@ DEFAULT_VOCABS: dict[str, str | None] = {
     "qwen35moe": "ggml-vocab-qwen35.gguf",
     # Qwen3-Next has the Qwen2/3 vocabulary.
     "qwen3next": "ggml-vocab-qwen2.gguf",
+    "gemma4": "ggml-vocab-gemma-4.gguf",
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
