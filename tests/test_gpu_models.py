@@ -418,9 +418,10 @@ def test_hybrid_cpu_layers(
 GEMMA4_DENSE = {
     "gemma4-dense": dict(arch="gemma4", layers=4, head_dim=64, head_dim_full=128,
                          kv_heads_full=1, sliding_window=8, swa_pattern=2, quant="q4_k,attn=q8_0"),
+    # Layers 4 (sliding) and 5 (full) read the caches of layers 2 and 3.
     "gemma4-e": dict(arch="gemma4", layers=6, head_dim=64, head_dim_full=128, kv_heads_full=1,
-                     sliding_window=8, swa_pattern=3, per_layer_width=64, shared_kv_layers=2,
-                     quant="q8_0,ffn=q5_k"),
+                     sliding_window=8, swa_pattern=(True, True, True, False, True, False),
+                     per_layer_width=64, shared_kv_layers=2, quant="q8_0,ffn=q5_k"),
 }  # fmt: skip
 
 
