@@ -72,6 +72,10 @@ MODELS = {
 #: activation rounding (q8_1) flips a group choice on one prompt (mean KL 0.0155 with every
 #: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
 FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
+#: Cases of test_more_families.py: the MoE ones on every strategy, the dense ones on `gpu` with
+#: both kinds of dense weights (a dense model has no experts for the other strategies to place).
+MORE_MOE = ["qwen3vlmoe-mix", "minimax-m2-mix"]
+MORE_DENSE = ["mistral3-temp", "qwen3vl-sections", "mistral3-k"]
 
 STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant"), ("cpu", "quant")]
 
@@ -84,6 +88,10 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     for name in FAMILY_B:
         files[name] = build(name, out)
+    from test_more_families import build as build_more
+
+    for name in MORE_MOE + MORE_DENSE:
+        files[name] = build_more(name, out)
     return files
 
 
@@ -125,11 +133,7 @@ def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
     return LLM(path, n_ctx=256, engine=opts)
 
 
-@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
-@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B)
-def test_gpu_matches_cpu(
-    name: str, strategy: str, dense: str, model_files: dict[str, Path]
-) -> None:
+def _matches_cpu(name: str, strategy: str, dense: str, model_files: dict[str, Path]) -> None:
     path = model_files[name]
     seqs, refs = _cpu_runs(path)
     llm = _gpu_llm(path, strategy, dense)
@@ -142,6 +146,20 @@ def test_gpu_matches_cpu(
         prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
         _check(name, f"{strategy} prefill {prompt!r}", ref, prefill)
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
+
+
+@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
+@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B + MORE_MOE)
+def test_gpu_matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+) -> None:
+    _matches_cpu(name, strategy, dense, model_files)
+
+
+@pytest.mark.parametrize("dense", ["quant", "bf16"])
+@pytest.mark.parametrize("name", MORE_DENSE)
+def test_dense_family_gpu_matches_cpu(name: str, dense: str, model_files: dict[str, Path]) -> None:
+    _matches_cpu(name, "gpu", dense, model_files)
 
 
 #: The check of the hybrid split: families with different expert layouts and mixed
