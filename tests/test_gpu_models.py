@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.errors import InvalidInputError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
@@ -124,19 +126,21 @@ def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
     return np.stack(out)
 
 
-def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
+def _gpu_llm(path: Path, strategy: str, dense: str, **engine: Any) -> LLM:
     # 1 MiB of slots: fewer than one layer's experts on these models.
     mib = 1 if strategy in ("offload", "hybrid") else None
     opts = EngineOptions(
-        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib
+        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib, **engine
     )
     return LLM(path, n_ctx=256, engine=opts)
 
 
-def _matches_cpu(name: str, strategy: str, dense: str, model_files: dict[str, Path]) -> None:
+def _matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path], **engine: Any
+) -> None:
     path = model_files[name]
     seqs, refs = _cpu_runs(path)
-    llm = _gpu_llm(path, strategy, dense)
+    llm = _gpu_llm(path, strategy, dense, **engine)
     place = llm.placement
     assert place is not None and place.strategy == strategy
     if strategy == "cpu":  # every MoE layer on the CPU through the hand-off, decode a graph
@@ -154,6 +158,23 @@ def test_gpu_matches_cpu(
     name: str, strategy: str, dense: str, model_files: dict[str, Path]
 ) -> None:
     _matches_cpu(name, strategy, dense, model_files)
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+def test_one_range_layer_split_matches_cpu(strategy: str, model_files: dict[str, Path]) -> None:
+    # `--split-mode layer` with this host's GPUs: every proportion on the main GPU.
+    n = torch.cuda.device_count()
+    split = tuple(1.0 if d == 0 else 0.0 for d in range(n))
+    _matches_cpu("qwen3moe", strategy, "quant", model_files, split_mode="layer", tensor_split=split)
+
+
+def test_split_flags_checked_against_the_gpus(model_files: dict[str, Path]) -> None:
+    n = torch.cuda.device_count()
+    path = model_files["qwen3moe"]
+    with pytest.raises(InvalidInputError, match=f"--main-gpu {n}: this host has {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", main_gpu=n)
+    with pytest.raises(InvalidInputError, match=f"{n + 1} proportions for {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", tensor_split=(1.0,) * (n + 1))
 
 
 @pytest.mark.parametrize("dense", ["quant", "bf16"])
