@@ -133,8 +133,8 @@ class ModelConfig:
         heads = _per_layer(meta, f"{arch}.attention.head_count", n_layers, 0)
         if f"{arch}.attention.head_count" not in meta:
             raise GGUFError(f"missing metadata key `{arch}.attention.head_count`")
-        kv_heads = _per_layer(meta, f"{arch}.attention.head_count_kv", n_layers, -1)
-        kv_heads = tuple(h if k < 0 else k for h, k in zip(heads, kv_heads, strict=True))
+        kv_key = f"{arch}.attention.head_count_kv"
+        kv_heads = _per_layer(meta, kv_key, n_layers, 0) if kv_key in meta else heads
         for n_heads, n_kv in zip(heads, kv_heads, strict=True):
             if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv:
                 raise GGUFError(f"head counts {n_heads} / {n_kv} do not form grouped attention")
