@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from freetoken.engine.bandwidth_profile import KindBandwidth, load_bandwidth_profile
 from freetoken.engine.cpu_layers import parse_cpu_layers, pin_budget, split_for_pinning
 from freetoken.engine.gpu_layers import (
     GpuEmbedding,
@@ -381,10 +382,8 @@ def _experts(
     plan = plan_for(layers)
     bw = None
     if strategy in ("auto", "hybrid") and not plan.all_resident:
-        from freetoken.engine.bandwidth_profile import load_bandwidth_profile
-
         profile = load_bandwidth_profile(model)
-        bw = profile.for_layer(layers[0]) if profile is not None else None
+        bw = profile.for_layers(layers) if profile is not None else None
     if strategy == "auto":
         one = _one_shape(all_layers)
         strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
@@ -424,16 +423,18 @@ def _one_shape(layers: list[ExpertLayer]) -> bool:
     return len({(ex.gate.k, ex.n_experts, ex.top_k) for ex in layers}) == 1
 
 
-def _why(strategy: str, k: Any) -> str:
-    """Why ``auto`` chose ``strategy``; ``k`` is the layers' bench-bw figures, if saved."""
+def _why(strategy: str, bw: dict[int, KindBandwidth] | None) -> str:
+    """Why ``auto`` chose ``strategy``; ``bw`` is each layer's bench-bw figures, if saved."""
     if strategy == "gpu":
         return "every expert fits the cache"
     if strategy == "offload":
         return "the MoE layers differ in shape"
-    if k is None:
+    if bw is None:
         return "experts exceed the cache; misses computed on the CPU (no bench-bw profile)"
-    return (
-        f"experts exceed the cache; a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} "
-        f"GB/s) than over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
+    kinds = {k.key: k for k in bw.values()}.values()
+    return "experts exceed the cache; " + "; ".join(
+        f"{k.key}: a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} GB/s) than "
+        f"over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
         f"{k.break_even_reuse or float('inf'):.1f}x"
+        for k in kinds
     )
