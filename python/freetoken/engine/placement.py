@@ -187,14 +187,16 @@ def place_on_gpu(
     cache_policy: str = "lru",
     cpu_layers: str | None = None,
     device: torch.device | str | None = None,
+    fetch_share: float | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
-    (:mod:`freetoken.engine.cpu_layers`). Logs what it did (the placement, the pools) on the
-    ``freetoken`` logger at INFO level and returns it."""
+    (:mod:`freetoken.engine.cpu_layers`), ``fetch_share`` ``--moe-fetch-share``
+    (:class:`~freetoken.engine.hybrid.HybridExperts`). Logs what it did (the placement, the
+    pools) on the ``freetoken`` logger at INFO level and returns it."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
@@ -233,7 +235,13 @@ def place_on_gpu(
     experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
         opts = _CacheOptions(
-            n_ctx, cache_mib, cache_scope, cache_profile, cache_policy, cpu_auto=wanted is None
+            n_ctx,
+            cache_mib,
+            cache_scope,
+            cache_profile,
+            cache_policy,
+            cpu_auto=wanted is None,
+            fetch_share=fetch_share,
         )
         experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
     if experts is None and layers and model.moe is not None and _one_shape(layers):
@@ -299,6 +307,7 @@ class _CacheOptions:
     policy: str
     #: ``--moe-cpu-layers auto``: pin layers in order while the host allows.
     cpu_auto: bool
+    fetch_share: float | None
 
 
 def _budget(
@@ -409,7 +418,7 @@ def _experts(
         # Layers without slots still go through the hand-off when it can serve them.
         cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
         experts: OffloadExperts = HybridExperts(
-            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins
+            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins, o.fetch_share
         )
     else:
         experts = OffloadExperts(layers, plan, dev, o.policy, pinned=pins)
