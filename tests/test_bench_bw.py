@@ -445,8 +445,11 @@ def test_gpu_figures(models: dict[str, Path]) -> None:
         assert e["gpu_detail"] is None, (key, e["gpu_detail"])
         assert e["pcie_source"] in ("mapping", "pinned-buffer")
         one_expert = layers[e["layers"][0]]["expert_bytes"]
-        for name in ("pcie_expert", "pcie_bulk"):
+        for name in ("pcie_expert", "pcie_bulk", "pcie_expert_with_cpu"):
             assert e[name]["gbps"] > 0 and e[name]["nbytes"] == e[name]["experts"] * one_expert
+        assert e["cpu_t1_with_pcie"]["gbps"] > 0
+        assert e["b_cpu_with_pcie_gbps"] == e["cpu_t1_with_pcie"]["gbps"]
+        assert e["b_pcie_with_cpu_gbps"] == e["pcie_expert_with_cpu"]["gbps"]
         for name in ("gpu_t1", "gpu_t1_with_cpu"):
             rate = e[name]
             assert rate["gbps"] > 0 and rate["nbytes"] == rate["calls"] * top_k * one_expert

@@ -359,7 +359,7 @@ class HybridExperts(OffloadExperts):
         if not self.serving:
             return self._cpu_direct(ex, x, ids, weights)
         t, pos = ids.shape[0], self.handoff_pos[ex.index]
-        fetch = self._fetch(ex, pos, ids, weights) if pooled and self.fetching else None
+        fetch = self._choose_fetch(ex, pos, ids) if pooled and self.fetching else None
         v = self.views
         host = (v["x"][:t], v["ids"][pos, :t], v["weights"][pos, :t])
         cache = self.of_layer[ex.index][0] if pooled else None
@@ -380,34 +380,20 @@ class HybridExperts(OffloadExperts):
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
-        if fetch is not None:  # the fetched experts, once their copies are in
-            buf, staged, f_slots, f_weights = fetch
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(buf.ready)
-            gpu.moe_layer(
-                *staged,
-                x,
-                f_slots,
-                f_weights,
-                act=ex.layer.act,
-                out=out,
-                accumulate=True,
-                check_ids=False,
-            )
-            buf.free.record(stream)
+        if fetch is not None:
+            self._run_fetched(ex, x, weights, out, *fetch)
         gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
 
-    def _fetch(
-        self, ex: ExpertLayer, pos: int, ids: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[Any, Pools, torch.Tensor, torch.Tensor] | None:
-        """Chooses which of the layer's missed experts to upload (reading its routes back:
-        the layers before are done on both sides then), marks them in the host's table and
-        starts their copies into a staging buffer on the fetch stream. Returns the buffer,
-        its pools, and each route's staging slot and GPU weight (0 for the routes the pool
-        or the CPU computes), or None when nothing is fetched."""
+    def _choose_fetch(
+        self, ex: ExpertLayer, pos: int, ids: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Which of the layer's missed experts to upload, marked in the host's table before
+        the layer's request (the CPU skips them). Reads the routes back: the layers before
+        are then done on both sides. Returns the routes and the experts (sorted), or None
+        when nothing is fetched."""
         host_ids = ids.cpu().numpy()
-        row, k, n_exp = self.resident[pos], self.top_k, ex.n_experts
+        row, n_exp = self.resident[pos], ex.n_experts
         flat = host_ids.ravel()
         counts = np.bincount(flat[row[flat] < 0], minlength=n_exp)
         missed = np.flatnonzero(counts)
@@ -417,7 +403,7 @@ class HybridExperts(OffloadExperts):
             ex.expert_nbytes,
             self.links[ex.index],
             share=self.fetch_share,
-            max_fetch=n_exp - k,  # the staging buffer holds n_experts slots, k of them zeroed
+            max_fetch=n_exp - self.top_k,  # staging holds n_experts slots, top_k zeroed
         )
         self._log_choice(ex, choice)
         if not choice.n_fetch:
@@ -425,13 +411,28 @@ class HybridExperts(OffloadExperts):
         fetched = np.sort(choice.fetched)
         row[fetched] = FETCHED
         self.fetched.append((pos, fetched))
-        n = len(fetched)
+        return host_ids, fetched
+
+    def _run_fetched(
+        self,
+        ex: ExpertLayer,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+        host_ids: np.ndarray,
+        fetched: np.ndarray,
+    ) -> None:
+        """Copies the fetched experts into a staging buffer on the fetch stream (the slot
+        pool's kernels run meanwhile) and adds their routes into ``out`` once they are in;
+        the buffer's ``top_k`` slots after them are zeroed and take every other route at
+        weight 0, so a token's slots stay distinct and the launch shape is the pool's."""
+        n, k = len(fetched), self.top_k
         buf = self.staging[self.position[ex.index] % 2]
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.fetch_stream.wait_event(buf.free)
         with torch.cuda.stream(self.fetch_stream):
             staged = _pools(ex, n + k, self.device, buf.memory)
-            for p in staged:  # the k slots after the fetched ones take the other routes
+            for p in staged:
                 p.tensor[n * p.matrix_nbytes : (n + k) * p.matrix_nbytes].zero_()
             start.record()
             ups = [Upload(ex.index, int(e), i, None) for i, e in enumerate(fetched)]
@@ -440,13 +441,25 @@ class HybridExperts(OffloadExperts):
             buf.ready.record(self.fetch_stream)
         buf.layer, buf.pools = -1, None  # not a streamed layer any more
         self.fetch_spans.append((start, done))
-        slot_of = np.full(n_exp, -1, dtype=np.int32)
+        slot_of = np.full(ex.n_experts, -1, dtype=np.int32)
         slot_of[fetched] = np.arange(n, dtype=np.int32)
         slots = slot_of[host_ids]
-        f_slots = np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32))
-        dev_slots = torch.from_numpy(f_slots).to(self.device)
+        dev_slots = torch.from_numpy(np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32)))
+        dev_slots = dev_slots.to(self.device)
         f_weights = torch.where(dev_slots < n, weights, torch.zeros_like(weights))
-        return buf, staged, dev_slots, f_weights
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(buf.ready)
+        gpu.moe_layer(
+            *staged,
+            x,
+            dev_slots,
+            f_weights,
+            act=ex.layer.act,
+            out=out,
+            accumulate=True,
+            check_ids=False,
+        )
+        buf.free.record(stream)
 
     def _log_choice(self, ex: ExpertLayer, c: FetchChoice) -> None:
         if log.isEnabledFor(logging.DEBUG):
@@ -499,19 +512,15 @@ class HybridExperts(OffloadExperts):
         hit rate so far) fetching anything."""
         if self.fetch_share is not None:
             return self.fetch_share > 0
-        miss = 1 - self._hit_rate()
-        for li in self.order:
-            ex = self.layers[li]
-            e, k = ex.n_experts, self.top_k
-            distinct = e * (1 - (1 - k / e) ** n_tokens)
-            n = max(1, round(distinct * miss))
-            routes = np.full(n, max(1, round(n_tokens * k * miss / n)), dtype=np.int64)
-            expect = choose_fetch(
-                np.arange(n), routes, ex.expert_nbytes, self.links[li], max_fetch=e - k
-            )
-            if expect.n_fetch:
-                return True
-        return False
+        miss, k = 1 - self._hit_rate(), self.top_k
+        kinds = {(self.links[li], self.layers[li].expert_nbytes) for li in self.order}
+        e = self.resident.shape[1]
+        n = max(1, round(e * (1 - (1 - k / e) ** n_tokens) * miss))  # distinct missed
+        routes = np.full(n, max(1, round(n_tokens * k * miss / n)), dtype=np.int64)
+        return any(
+            choose_fetch(np.arange(n), routes, nbytes, links, max_fetch=e - k).n_fetch
+            for links, nbytes in kinds
+        )
 
     def _reset(self) -> None:
         """After a failed step: both sides back to sequence 0."""
