@@ -127,12 +127,12 @@ class HybridStats:
     """Counters since load: per MoE layer (model order) the routes, how many hit a slot, and
     of those how many hit an expert the pools were seeded with (a profile's) or one filled in
     since, and the routes computed on the GPU on experts uploaded for their step only (not
-    hits); hand-off requests the CPU
-    answered and the seconds it spent answering; experts uploaded into slots (fills of free
-    slots, swaps over residents) and bytes uploaded (seeding, streaming and fetches
-    included); each layer's resident expert ids; the seconds the host spent between steps on
-    the slot bookkeeping and starting uploads (the GPU idles meanwhile; the policy's own work
-    overlaps the next step and is not counted); the fetch counters per step size."""
+    hits); hand-off requests the CPU answered and the seconds it spent answering; experts
+    uploaded into slots (fills of free slots, swaps over residents) and bytes uploaded
+    (seeding, streaming and fetches included); each layer's resident expert ids; the
+    seconds the host spent between steps on the slot bookkeeping and starting uploads (the
+    GPU idles meanwhile; the policy's own work overlaps the next step and is not counted);
+    the fetch counters per step size."""
 
     layers: list[int]
     routes: np.ndarray
@@ -387,11 +387,11 @@ class HybridExperts(OffloadExperts):
 
     def _choose_fetch(
         self, ex: ExpertLayer, pos: int, ids: torch.Tensor
-    ) -> tuple[np.ndarray, np.ndarray] | None:
+    ) -> tuple[torch.Tensor, np.ndarray] | None:
         """Which of the layer's missed experts to upload, marked in the host's table before
         the layer's request (the CPU skips them). Reads the routes back: the layers before
-        are then done on both sides. Returns the routes and the experts (sorted), or None
-        when nothing is fetched."""
+        are then done on both sides. Returns each route's staging slot (on the device) and
+        the experts (sorted), or None when nothing is fetched."""
         host_ids = ids.cpu().numpy()
         row, n_exp = self.resident[pos], ex.n_experts
         flat = host_ids.ravel()
@@ -411,7 +411,14 @@ class HybridExperts(OffloadExperts):
         fetched = np.sort(choice.fetched)
         row[fetched] = FETCHED
         self.fetched.append((pos, fetched))
-        return host_ids, fetched
+        # Each route's staging slot: the fetched experts' in order, then the zeroed ones
+        # (copied while the stream is idle: a copy from pageable memory synchronizes).
+        n, k = len(fetched), self.top_k
+        slot_of = np.full(n_exp, -1, dtype=np.int32)
+        slot_of[fetched] = np.arange(n, dtype=np.int32)
+        slots = slot_of[host_ids]
+        staged = np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32))
+        return torch.from_numpy(staged).to(self.device), fetched
 
     def _run_fetched(
         self,
@@ -419,7 +426,7 @@ class HybridExperts(OffloadExperts):
         x: torch.Tensor,
         weights: torch.Tensor,
         out: torch.Tensor,
-        host_ids: np.ndarray,
+        slots: torch.Tensor,
         fetched: np.ndarray,
     ) -> None:
         """Copies the fetched experts into a staging buffer on the fetch stream (the slot
@@ -441,18 +448,13 @@ class HybridExperts(OffloadExperts):
             buf.ready.record(self.fetch_stream)
         buf.layer, buf.pools = -1, None  # not a streamed layer any more
         self.fetch_spans.append((start, done))
-        slot_of = np.full(ex.n_experts, -1, dtype=np.int32)
-        slot_of[fetched] = np.arange(n, dtype=np.int32)
-        slots = slot_of[host_ids]
-        dev_slots = torch.from_numpy(np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32)))
-        dev_slots = dev_slots.to(self.device)
-        f_weights = torch.where(dev_slots < n, weights, torch.zeros_like(weights))
+        f_weights = torch.where(slots < n, weights, torch.zeros_like(weights))
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(buf.ready)
         gpu.moe_layer(
             *staged,
             x,
-            dev_slots,
+            slots,
             f_weights,
             act=ex.layer.act,
             out=out,
