@@ -70,6 +70,22 @@ def test_a_slow_link_fetches_nothing_and_a_fast_one_everything() -> None:
     assert math.isclose(c.upload_s, 8 * MB * (1 / 100 + 1 / 1000) / 1e9)
 
 
+def test_routes_priced_as_reads() -> None:
+    """``price_routes``: the CPU reads an expert once per route. Four experts of 3 routes
+    and four of 1, most routed first: fetching f of the 3-route ones (f <= 4) leaves
+    3 (4 - f) + 4 reads to the CPU, at 100 GB/s, against f (1/50 + 1/100) for the uploads:
+    0.03 f = 0.16 - 0.03 f, f = 2.67: 3 experts (0.09 ms against 0.07 ms; 2 would be 0.10
+    against 0.06)."""
+    experts = np.arange(8)
+    routes = np.array([1, 3, 1, 3, 1, 3, 1, 3])
+    c = choose_fetch(experts, routes, MB, LINKS, overhead_s=0.0, price_routes=True)
+    assert c.n_fetch == 3 and c.fetched.tolist() == [1, 3, 5]
+    assert math.isclose(c.upload_s, 9e-5) and math.isclose(c.cpu_s, 7e-5)
+    # Priced by reads of distinct experts the same misses fetch 8/4 = 2: n_f 0.03 =
+    # (8 - n_f) / 100 gives n_f = 2 (both 0.06 ms).
+    assert choose_fetch(experts, routes, MB, LINKS, overhead_s=0.0).n_fetch == 2
+
+
 def test_the_most_routed_experts_go_first() -> None:
     experts = np.array([7, 3, 9, 1, 5])
     routes = np.array([1, 4, 4, 2, 1])

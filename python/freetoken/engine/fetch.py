@@ -12,7 +12,9 @@ a fixed host cost when anything is fetched (the routes read back, the copies iss
 (``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_expert``). The rule takes
 the whole number of experts with the least time, the fewest uploads among equals; the experts
 with the most routes go first (the GPU computes many routes of an expert for little more than
-one, the CPU does not).
+one, the CPU does not). Above 8 tokens a step (``price_routes``) each CPU route is priced as
+one expert read instead, as the stream-or-split rule prices it (docs/hybrid.md): the CPU
+computing many tokens an expert is bound by its arithmetic.
 
 This module is pure: numbers in, a :class:`FetchChoice` out.
 """
@@ -115,15 +117,17 @@ class FetchChoice:
         return (len(self.order) - self.n_fetch) * self.expert_bytes
 
 
-def _times(n: int, expert_bytes: int, links: Links) -> tuple[np.ndarray, np.ndarray]:
-    """(upload + GPU seconds, CPU seconds) of fetching 0..n of ``n`` missed experts."""
+def _times(reads: np.ndarray, expert_bytes: int, links: Links) -> tuple[np.ndarray, np.ndarray]:
+    """(upload + GPU seconds, CPU seconds) of fetching the first 0..n of ``n`` missed experts
+    that the CPU would read ``reads[i]`` times each."""
+    n = len(reads)
     n_f = np.arange(n + 1, dtype=np.float64)
-    n_c = n - n_f
-    both = (n_f > 0) & (n_c > 0)
+    left = reads.sum() - np.concatenate([[0.0], np.cumsum(reads)])  # CPU reads left
+    both = (n_f > 0) & (n_f < n)
     b_pcie = np.where(both, links.pcie_with_cpu, links.pcie)
     b_cpu = np.where(both, links.cpu_with_pcie, links.cpu)
     upload = n_f * expert_bytes * (1 / b_pcie + 1 / links.gpu) / 1e9
-    return upload, n_c * expert_bytes / b_cpu / 1e9
+    return upload, left * expert_bytes / b_cpu / 1e9
 
 
 def choose_fetch(
@@ -135,13 +139,16 @@ def choose_fetch(
     share: float | None = None,
     max_fetch: int | None = None,
     overhead_s: float = FETCH_OVERHEAD_S,
+    price_routes: bool = False,
 ) -> FetchChoice:
     """The fetch choice of one layer's missed ``experts`` (ids), ``routes[i]`` routes each,
     ``expert_bytes`` an expert: the fastest split by the model (module docs), or the
     ``share`` forced (``--moe-fetch-share``: that fraction of the missed experts, rounded).
-    At most ``max_fetch`` experts are fetched (the staging room)."""
+    At most ``max_fetch`` experts are fetched (the staging room). ``price_routes`` prices
+    each of the CPU's routes as one expert read instead of each expert as one (the CPU
+    computing many tokens is bound by its arithmetic, not its reads)."""
     experts = np.asarray(experts, dtype=np.int64)
-    routes = np.asarray(routes, dtype=np.int64)
+    routes = np.asarray(routes, dtype=np.float64)
     if experts.shape != routes.shape or experts.ndim != 1:
         raise InvalidInputError(f"{experts.shape} experts with {routes.shape} route counts")
     if share is not None and not 0.0 <= share <= 1.0:
@@ -150,7 +157,7 @@ def choose_fetch(
     order, counts = experts[order_ix], routes[order_ix]
     n = len(order)
     cap = n if max_fetch is None else max(0, min(n, max_fetch))
-    upload, cpu = _times(n, expert_bytes, links)
+    upload, cpu = _times(counts if price_routes else np.ones(n), expert_bytes, links)
     if share is not None:
         n_fetch = min(cap, int(np.floor(share * n + 0.5)))
     else:

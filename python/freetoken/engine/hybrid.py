@@ -43,7 +43,13 @@ import torch
 
 from freetoken import _core
 from freetoken.engine.bandwidth_profile import KindBandwidth
-from freetoken.engine.fetch import FetchChoice, Links, choose_fetch, step_bucket
+from freetoken.engine.fetch import (
+    FETCH_OVERHEAD_S,
+    FetchChoice,
+    Links,
+    choose_fetch,
+    step_bucket,
+)
 from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
@@ -286,10 +292,8 @@ class HybridExperts(OffloadExperts):
         self._publish_uploads()
         self.bookkeeping_s += time.perf_counter() - t0
         self.n_tokens = n_tokens
-        fits = n_tokens <= MAX_TOKENS
-        self.split = fits and self._split_pays(n_tokens)
-        self.serving = fits and (self.split or bool(self.cpu_only))
-        self.fetching = self.split and n_tokens > 1 and self._fetch_pays(n_tokens)
+        self.split, self.fetching = self._plan_step(n_tokens)
+        self.serving = n_tokens <= MAX_TOKENS and (self.split or bool(self.cpu_only))
         if not self.serving:
             return True
         a = self.host.arrays
@@ -404,6 +408,7 @@ class HybridExperts(OffloadExperts):
             self.links[ex.index],
             share=self.fetch_share,
             max_fetch=n_exp - self.top_k,  # staging holds n_experts slots, top_k zeroed
+            price_routes=self.n_tokens > MAX_SLOT_TOKENS,
         )
         self._log_choice(ex, choice)
         if not choice.n_fetch:
@@ -491,38 +496,45 @@ class HybridExperts(OffloadExperts):
         total = int(self.routes.sum())
         return float(self.hits.sum()) / total if total else 0.0
 
-    def _split_pays(self, n_tokens: int) -> bool:
-        """Whether computing the layers' expected misses on the CPU beats streaming them
-        over PCIe, summed over the layers with each layer's own bench-bw figures (each
-        missed route priced as one expert read, which over-prices the CPU on long prompts,
-        where it is compute-bound)."""
-        if not self.order:
-            return False  # no slots: nothing to split
-        if n_tokens <= MAX_SLOT_TOKENS:
-            return True
-        miss = 1 - self._hit_rate()
-        cpu_s = stream_s = 0.0
-        for li in self.order:
-            ex, links = self.layers[li], self.links[li]
-            cpu_s += n_tokens * self.top_k * miss * ex.expert_nbytes / (links.cpu * 1e9)
-            stream_s += ex.n_experts * ex.expert_nbytes / (links.pcie * 1e9)
-        return cpu_s < stream_s
-
-    def _fetch_pays(self, n_tokens: int) -> bool:
-        """Whether a split step of ``n_tokens`` fetches: a forced share above 0, else the
-        fetch rule on each layer's expected misses (uniform routing over the experts at the
-        hit rate so far) fetching anything."""
-        if self.fetch_share is not None:
-            return self.fetch_share > 0
-        miss, k = 1 - self._hit_rate(), self.top_k
-        kinds = {(self.links[li], self.layers[li].expert_nbytes) for li in self.order}
-        e = self.resident.shape[1]
+    def _plan_step(self, n_tokens: int) -> tuple[bool, bool]:
+        """Whether a step of ``n_tokens`` splits (else the layers stream over PCIe) and
+        whether its layers fetch part of their misses. Up to MAX_SLOT_TOKENS tokens a step
+        splits; above, when the fetch rule on each layer's expected misses (uniform routing
+        at the hit rate so far, each CPU route priced as one expert read, which over-prices
+        the CPU on long prompts) expects the split to take less than streaming the layers.
+        One-token steps never fetch; a forced share above 0 always does."""
+        if not self.order or n_tokens > MAX_TOKENS:
+            return False, False  # no slots to split over, or too long for the hand-off
+        if n_tokens == 1:
+            return True, False
+        small = n_tokens <= MAX_SLOT_TOKENS
+        if small and self.fetch_share is not None:
+            return True, self.fetch_share > 0
+        miss, k, e = 1 - self._hit_rate(), self.top_k, self.resident.shape[1]
         n = max(1, round(e * (1 - (1 - k / e) ** n_tokens) * miss))  # distinct missed
-        routes = np.full(n, max(1, round(n_tokens * k * miss / n)), dtype=np.int64)
-        return any(
-            choose_fetch(np.arange(n), routes, nbytes, links, max_fetch=e - k).n_fetch
-            for links, nbytes in kinds
-        )
+        routes = np.full(n, n_tokens * k * miss / n)
+        kinds: dict[tuple[Links, int], int] = {}
+        for li in self.order:
+            key = (self.links[li], self.layers[li].expert_nbytes)
+            kinds[key] = kinds.get(key, 0) + 1
+        split_s = stream_s = 0.0
+        fetch = False
+        for (links, nbytes), count in kinds.items():
+            c = choose_fetch(
+                np.arange(n),
+                routes,
+                nbytes,
+                links,
+                share=self.fetch_share,
+                max_fetch=e - k,
+                price_routes=not small,
+            )
+            fixed = FETCH_OVERHEAD_S if c.n_fetch else 0.0
+            split_s += count * (max(c.upload_s, c.cpu_s) + fixed)
+            stream_s += count * e * nbytes / (links.pcie * 1e9)
+            fetch |= c.n_fetch > 0
+        split = small or split_s < stream_s
+        return split, split and fetch
 
     def _reset(self) -> None:
         """After a failed step: both sides back to sequence 0."""
