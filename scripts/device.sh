@@ -252,9 +252,13 @@ bench_hybrid() {
 # (4) prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
 # median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
 # beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
+# bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     bench_model
+    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
+        python3 -m freetoken bench-bw -m "$BENCH_MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw.md"
+    fi
     python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
         --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
         --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
