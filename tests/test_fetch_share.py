@@ -148,3 +148,19 @@ def test_bad_input() -> None:
         choose_fetch(*_missed(3), MB, LINKS, share=1.5)
     with pytest.raises(InvalidInputError, match="route counts"):
         choose_fetch(np.arange(3), np.ones(2), MB, LINKS)
+
+
+def test_the_option() -> None:
+    """``--moe-fetch-share F``: parsed into the engine options, 0-1, hybrid (or auto) only."""
+    import argparse
+
+    from freetoken.engine.options import EngineOptions, add_arguments, from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    opts = from_args(p.parse_args(["--moe-strategy", "hybrid", "--moe-fetch-share", "0.5"]))
+    assert opts.moe_fetch_share == 0.5 and from_args(p.parse_args([])).moe_fetch_share is None
+    with pytest.raises(InvalidInputError, match="within 0-1"):
+        EngineOptions(moe_fetch_share=1.5)
+    with pytest.raises(InvalidInputError, match="hybrid"):
+        EngineOptions(moe_strategy="offload", moe_fetch_share=0.5)
