@@ -45,7 +45,6 @@ from freetoken import _core
 from freetoken.engine.bandwidth_profile import KindBandwidth
 from freetoken.engine.fetch import (
     FETCH_OVERHEAD_S,
-    FetchChoice,
     Links,
     choose_fetch,
     step_bucket,
@@ -267,6 +266,9 @@ class HybridExperts(OffloadExperts):
         # This step's fetches: (position, experts) and the uploads' CUDA events.
         self.fetched: list[tuple[int, np.ndarray]] = []
         self.fetch_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # The fetch rule's choices this step, summed over the layers: experts fetched and
+        # missed, expected upload and CPU seconds.
+        self.expected = np.zeros(4)
         self.busy_ns = 0
         self.fetch: dict[str, dict[str, float]] = {}
         self.expert_nbytes = np.array([ex.expert_nbytes for ex in served], dtype=np.int64)
@@ -331,6 +333,7 @@ class HybridExperts(OffloadExperts):
             for pos, experts in self.fetched:  # the CPU thread is done with the table
                 self.resident[pos, experts] = -1
             self.fetched, self.fetch_spans = [], []
+            self.expected[:] = 0
             for cache, pools, ups in plan:  # the pools are idle now, even after a failure
                 self._evict(cache, pools, ups)
             self.bookkeeping_s += time.perf_counter() - t0
@@ -410,7 +413,7 @@ class HybridExperts(OffloadExperts):
             max_fetch=n_exp - self.top_k,  # staging holds n_experts slots, top_k zeroed
             price_routes=self.n_tokens > MAX_SLOT_TOKENS,
         )
-        self._log_choice(ex, choice)
+        self.expected += (choice.n_fetch, len(missed), choice.upload_s, choice.cpu_s)
         if not choice.n_fetch:
             return None
         fetched = np.sort(choice.fetched)
@@ -467,23 +470,6 @@ class HybridExperts(OffloadExperts):
             check_ids=False,
         )
         buf.free.record(stream)
-
-    def _log_choice(self, ex: ExpertLayer, c: FetchChoice) -> None:
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "hybrid layer %d, %d tokens: fetch %d of %d missed experts (share %.2f%s; "
-                "%d routes uploaded, %d on the CPU; expected %.3f ms upload, %.3f ms CPU)",
-                ex.index,
-                self.n_tokens,
-                c.n_fetch,
-                len(c.order),
-                c.share,
-                ", forced" if self.fetch_share is not None else "",
-                c.fetch_routes,
-                c.cpu_routes,
-                c.upload_s * 1e3,
-                c.cpu_s * 1e3,
-            )
 
     def _cpu_direct(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -592,16 +578,24 @@ class HybridExperts(OffloadExperts):
         for f, v in step.items():
             c[f] += v
         if self.fetching and log.isEnabledFor(logging.DEBUG):
+            n_fetched, missed, want_up, want_cpu = self.expected.tolist()
             log.debug(
-                "hybrid step of %d tokens: %d routes uploaded (%.1f MiB, %.2f ms), %d on the "
-                "CPU (%.1f MiB, %.2f ms)",
+                "hybrid step of %d tokens: fetched %d of %d missed experts (share %.2f, %s); "
+                "%d routes uploaded (%.1f MiB, %.2f ms, expected %.2f), %d on the CPU "
+                "(%.1f MiB, %.2f ms, expected %.2f)",
                 t,
+                n_fetched,
+                missed,
+                n_fetched / missed if missed else 0.0,
+                "forced" if self.fetch_share is not None else "the fetch rule's",
                 step["uploaded_routes"],
                 step["uploaded_bytes"] / (1 << 20),
                 upload_s * 1e3,
+                want_up * 1e3,
                 step["cpu_routes"],
                 step["cpu_bytes"] / (1 << 20),
                 step["cpu_s"] * 1e3,
+                want_cpu * 1e3,
             )
 
     def _plan(self) -> list[tuple[SlotCache, Pools, list[Upload]]]:
