@@ -16,6 +16,7 @@ from freetoken.engine.fetch import (
     DEFAULT_B_PCIE,
     Links,
     choose_fetch,
+    expect_step,
     step_bucket,
 )
 from freetoken.errors import InvalidInputError
@@ -125,6 +126,37 @@ def test_links_from_a_profile() -> None:
     assert Links.of(old) == Links(90.0, 50.0, 900.0, 90.0, 50.0)
     cpu_only = KindBandwidth("k", 12, 90.0, None, None, None)
     assert Links.of(cpu_only) == Links(90.0, DEFAULT_B_PCIE, DEFAULT_B_GPU, 90.0, DEFAULT_B_PCIE)
+
+
+def test_a_step_without_fetching_is_the_stream_or_split_rule() -> None:
+    """Share 0, routes priced as reads: the split's time is the CPU reading each missed route
+    once, ``T k (1 - h) S / B_cpu`` a layer, against streaming ``E S / B_pcie``; 48 layers,
+    128 experts of 2.5 MB, top-8, a 25% hit rate, T = 32 tokens: 32 * 8 * 0.75 = 192 reads
+    at 120 GB/s = 4.0 ms against 128 experts at 60 GB/s = 5.33 ms a layer."""
+    s = 2_500_000
+    split, stream, fetch = expect_step(
+        32, 0.25, 128, 8, {(LINKS, s): 48}, share=0.0, price_routes=True, overhead_s=0.0
+    )
+    assert math.isclose(split, 48 * 192 * s / 120e9) and math.isclose(stream, 48 * 128 * s / 60e9)
+    assert not fetch
+
+
+def test_a_step_that_fetches() -> None:
+    """The same misses (the expected distinct ones: 128 (1 - (1 - 8/128)^32) = 111.8, of
+    them 75% missed: 84 experts of 192/84 routes each, priced per expert): the fetch rule
+    balances n_f (1/50 + 1/100) = (84 - n_f) / 100, n_f = 21: both sides 0.63 ms a layer
+    (the CPU alone: 84 / 120 = 0.7 ms), 30.2 ms for the 48 layers."""
+    s = 1_000_000
+    split, stream, fetch = expect_step(32, 0.25, 128, 8, {(LINKS, s): 48}, overhead_s=0.0)
+    assert fetch
+    assert math.isclose(split, 48 * 63 * s / 100e9)
+    assert math.isclose(stream, 48 * 128 * s / 60e9)
+    # Two kinds: each counted with its own figures.
+    slow = Links(cpu=10.0, pcie=5.0, gpu=100.0, cpu_with_pcie=10.0, pcie_with_cpu=5.0)
+    _, stream2, _ = expect_step(
+        32, 0.25, 128, 8, {(LINKS, s): 40, (slow, s): 8}, share=0.0, overhead_s=0.0
+    )
+    assert math.isclose(stream2, 40 * 128 * s / 60e9 + 8 * 128 * s / 5e9)
 
 
 def test_step_buckets() -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "FetchChoice",
     "Links",
     "choose_fetch",
+    "expect_step",
     "step_bucket",
 ]
 
@@ -167,6 +168,45 @@ def choose_fetch(
     return FetchChoice(
         order, counts, n_fetch, expert_bytes, float(upload[n_fetch]), float(cpu[n_fetch])
     )
+
+
+def expect_step(
+    n_tokens: int,
+    hit_rate: float,
+    n_experts: int,
+    top_k: int,
+    kinds: dict[tuple[Links, int], int],
+    *,
+    share: float | None = None,
+    price_routes: bool = False,
+    overhead_s: float = FETCH_OVERHEAD_S,
+) -> tuple[float, float, bool]:
+    """A step's expected MoE seconds split (each layer's expected misses under the fetch
+    rule, or the forced ``share``) and streamed over PCIe, and whether the split fetches.
+    ``kinds`` counts the layers per (links, expert bytes). A layer's expected misses: the
+    distinct experts of ``n_tokens`` tokens routed uniformly, ``E (1 - (1 - k/E)^T)``, times
+    the miss rate, each with an equal share of the ``T k (1 - h)`` missed routes."""
+    miss, k, e = 1.0 - hit_rate, top_k, n_experts
+    n = max(1, round(e * (1 - (1 - k / e) ** n_tokens) * miss))
+    routes = np.full(n, n_tokens * k * miss / n)
+    split_s = stream_s = 0.0
+    fetch = False
+    for (links, nbytes), count in kinds.items():
+        c = choose_fetch(
+            np.arange(n),
+            routes,
+            nbytes,
+            links,
+            share=share,
+            max_fetch=e - k,
+            overhead_s=overhead_s,
+            price_routes=price_routes,
+        )
+        fixed = overhead_s if c.n_fetch else 0.0
+        split_s += count * (max(c.upload_s, c.cpu_s) + fixed)
+        stream_s += count * e * nbytes / (links.pcie * 1e9)
+        fetch |= c.n_fetch > 0
+    return split_s, stream_s, fetch
 
 
 def step_bucket(n_tokens: int) -> str:

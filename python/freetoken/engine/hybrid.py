@@ -43,12 +43,7 @@ import torch
 
 from freetoken import _core
 from freetoken.engine.bandwidth_profile import KindBandwidth
-from freetoken.engine.fetch import (
-    FETCH_OVERHEAD_S,
-    Links,
-    choose_fetch,
-    step_bucket,
-)
+from freetoken.engine.fetch import Links, choose_fetch, expect_step, step_bucket
 from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
@@ -488,7 +483,8 @@ class HybridExperts(OffloadExperts):
         splits; above, when the fetch rule on each layer's expected misses (uniform routing
         at the hit rate so far, each CPU route priced as one expert read, which over-prices
         the CPU on long prompts) expects the split to take less than streaming the layers.
-        One-token steps never fetch; a forced share above 0 always does."""
+        One-token steps never fetch; up to MAX_SLOT_TOKENS a forced share above 0 always
+        does (:func:`freetoken.engine.fetch.expect_step` otherwise)."""
         if not self.order or n_tokens > MAX_TOKENS:
             return False, False  # no slots to split over, or too long for the hand-off
         if n_tokens == 1:
@@ -496,29 +492,19 @@ class HybridExperts(OffloadExperts):
         small = n_tokens <= MAX_SLOT_TOKENS
         if small and self.fetch_share is not None:
             return True, self.fetch_share > 0
-        miss, k, e = 1 - self._hit_rate(), self.top_k, self.resident.shape[1]
-        n = max(1, round(e * (1 - (1 - k / e) ** n_tokens) * miss))  # distinct missed
-        routes = np.full(n, n_tokens * k * miss / n)
         kinds: dict[tuple[Links, int], int] = {}
         for li in self.order:
             key = (self.links[li], self.layers[li].expert_nbytes)
             kinds[key] = kinds.get(key, 0) + 1
-        split_s = stream_s = 0.0
-        fetch = False
-        for (links, nbytes), count in kinds.items():
-            c = choose_fetch(
-                np.arange(n),
-                routes,
-                nbytes,
-                links,
-                share=self.fetch_share,
-                max_fetch=e - k,
-                price_routes=not small,
-            )
-            fixed = FETCH_OVERHEAD_S if c.n_fetch else 0.0
-            split_s += count * (max(c.upload_s, c.cpu_s) + fixed)
-            stream_s += count * e * nbytes / (links.pcie * 1e9)
-            fetch |= c.n_fetch > 0
+        split_s, stream_s, fetch = expect_step(
+            n_tokens,
+            self._hit_rate(),
+            self.resident.shape[1],
+            self.top_k,
+            kinds,
+            share=self.fetch_share,
+            price_routes=not small,
+        )
         split = small or split_s < stream_s
         return split, split and fetch
 
