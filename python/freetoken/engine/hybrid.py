@@ -259,7 +259,7 @@ class HybridExperts(OffloadExperts):
         self.serving = self.split = self.fetching = False
         self.n_tokens = 0
         # This step's fetches: (position, experts) and the uploads' CUDA events.
-        self.fetched: list[tuple[int, np.ndarray]] = []
+        self.marked: list[tuple[int, np.ndarray]] = []
         self.fetch_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         # The fetch rule's choices this step, summed over the layers: experts fetched and
         # missed, expected upload and CPU seconds.
@@ -325,9 +325,9 @@ class HybridExperts(OffloadExperts):
             self._finish(ticket)
         finally:
             t0 = time.perf_counter()
-            for pos, experts in self.fetched:  # the CPU thread is done with the table
+            for pos, experts in self.marked:  # the CPU thread is done with the table
                 self.resident[pos, experts] = -1
-            self.fetched, self.fetch_spans = [], []
+            self.marked, self.fetch_spans = [], []
             self.expected[:] = 0
             for cache, pools, ups in plan:  # the pools are idle now, even after a failure
                 self._evict(cache, pools, ups)
@@ -413,7 +413,7 @@ class HybridExperts(OffloadExperts):
             return None
         fetched = np.sort(choice.fetched)
         row[fetched] = FETCHED
-        self.fetched.append((pos, fetched))
+        self.marked.append((pos, fetched))
         # Each route's staging slot: the fetched experts' in order, then the zeroed ones
         # (copied while the stream is idle: a copy from pageable memory synchronizes).
         n, k = len(fetched), self.top_k
