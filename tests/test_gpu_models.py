@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,11 +244,12 @@ def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> Non
         _check("qwen3moe", f"decode after a longer prompt {prompt!r}", ref, np.stack(out))
 
 
-def _batched_decode(llm: LLM, seqs: list[list[int]]) -> list[np.ndarray]:
+def _batched_decode(llm: LLM, seqs: list[list[int]]) -> tuple[list[np.ndarray], list[Any]]:
     """Each sequence's logits from its prompt's last position on, its prompt run alone and
     then one token per sequence and step, all running sequences in one step (the server's
     continuous batching): the second sequence joins five steps late and the first ends
-    first, so the batch goes 1 -> 2 -> 1 sequences."""
+    first, so the batch goes 1 -> 2 -> 1 sequences. Returns the logits and the caches (the
+    graphs captured on them go when they go)."""
     model = llm.model
     firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
     caches = [model.new_cache(len(s)) for s in seqs]
@@ -263,7 +265,7 @@ def _batched_decode(llm: LLM, seqs: list[list[int]]) -> list[np.ndarray]:
             outs[i].append(row.numpy())
             nxt[i] += 1
         step += 1
-    return [np.stack(o) for o in outs]
+    return [np.stack(o) for o in outs], caches
 
 
 @pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
@@ -277,7 +279,7 @@ def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[
     llm = _gpu_llm(path, strategy, "quant")
     model = llm.model
     assert model.graphs is not None
-    outs = _batched_decode(llm, seqs)
+    outs, _caches = _batched_decode(llm, seqs)
     assert any(len(key[0]) == 2 for key in model.graphs.graphs), "no two-sequence graph ran"
     for prompt, ref, out in zip(PROMPTS, refs, outs, strict=True):
         _check(name, f"{strategy} batched decode {prompt!r}", ref, out)
@@ -316,7 +318,8 @@ def test_hybrid_fetch_share_matches_cpu_and_gpu(
         got = llm.logits(seq)[first:-1].numpy()
         _check(name, f"{how} prefill {prompt!r} against the CPU", ref, got)
         _check(name, f"{how} prefill {prompt!r} against gpu", want, got)
-    wants, gots = _batched_decode(all_gpu, seqs), _batched_decode(llm, seqs)
+    wants, _ = _batched_decode(all_gpu, seqs)
+    gots, _caches = _batched_decode(llm, seqs)
     for prompt, ref, want, got in zip(PROMPTS, refs, wants, gots, strict=True):
         _check(name, f"{how} batched decode {prompt!r} against the CPU", ref, got)
         _check(name, f"{how} batched decode {prompt!r} against gpu", want, got)
