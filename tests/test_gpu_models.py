@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.errors import InvalidInputError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
@@ -73,6 +74,10 @@ MODELS = {
 #: activation rounding (q8_1) flips a group choice on one prompt (mean KL 0.0155 with every
 #: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
 FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
+#: Cases of test_more_families.py: the MoE ones on every strategy, the dense ones on `gpu` with
+#: both kinds of dense weights (a dense model has no experts for the other strategies to place).
+MORE_MOE = ["qwen3vlmoe-mix", "minimax-m2-mix"]
+MORE_DENSE = ["mistral3-temp", "qwen3vl-sections", "mistral3-k"]
 
 STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant"), ("cpu", "quant")]
 
@@ -85,6 +90,10 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     for name in FAMILY_B:
         files[name] = build(name, out)
+    from test_more_families import build as build_more
+
+    for name in MORE_MOE + MORE_DENSE:
+        files[name] = build_more(name, out)
     return files
 
 
@@ -117,23 +126,21 @@ def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
     return np.stack(out)
 
 
-def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
+def _gpu_llm(path: Path, strategy: str, dense: str, **engine: Any) -> LLM:
     # 1 MiB of slots: fewer than one layer's experts on these models.
     mib = 1 if strategy in ("offload", "hybrid") else None
     opts = EngineOptions(
-        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib
+        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib, **engine
     )
     return LLM(path, n_ctx=256, engine=opts)
 
 
-@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
-@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B)
-def test_gpu_matches_cpu(
-    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+def _matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path], **engine: Any
 ) -> None:
     path = model_files[name]
     seqs, refs = _cpu_runs(path)
-    llm = _gpu_llm(path, strategy, dense)
+    llm = _gpu_llm(path, strategy, dense, **engine)
     place = llm.placement
     assert place is not None and place.strategy == strategy
     if strategy == "cpu":  # every MoE layer on the CPU through the hand-off, decode a graph
@@ -143,6 +150,37 @@ def test_gpu_matches_cpu(
         prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
         _check(name, f"{strategy} prefill {prompt!r}", ref, prefill)
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
+
+
+@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
+@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B + MORE_MOE)
+def test_gpu_matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+) -> None:
+    _matches_cpu(name, strategy, dense, model_files)
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+def test_one_range_layer_split_matches_cpu(strategy: str, model_files: dict[str, Path]) -> None:
+    # `--split-mode layer` with this host's GPUs: every proportion on the main GPU.
+    n = torch.cuda.device_count()
+    split = tuple(1.0 if d == 0 else 0.0 for d in range(n))
+    _matches_cpu("qwen3moe", strategy, "quant", model_files, split_mode="layer", tensor_split=split)
+
+
+def test_split_flags_checked_against_the_gpus(model_files: dict[str, Path]) -> None:
+    n = torch.cuda.device_count()
+    path = model_files["qwen3moe"]
+    with pytest.raises(InvalidInputError, match=f"--main-gpu {n}: this host has {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", main_gpu=n)
+    with pytest.raises(InvalidInputError, match=f"{n + 1} proportions for {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", tensor_split=(1.0,) * (n + 1))
+
+
+@pytest.mark.parametrize("dense", ["quant", "bf16"])
+@pytest.mark.parametrize("name", MORE_DENSE)
+def test_dense_family_gpu_matches_cpu(name: str, dense: str, model_files: dict[str, Path]) -> None:
+    _matches_cpu(name, "gpu", dense, model_files)
 
 
 #: The check of the hybrid split: families with different expert layouts and mixed

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from freetoken.engine.split import SPLIT_MODES, parse_tensor_split
 from freetoken.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class EngineOptions:
     meanwhile (None: chosen per layer and step from the bench-bw figures, engine/fetch.py).
     ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
     huge-page-backed memory (freetoken.gguf.GGUFFile).
+    ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
+    main GPU alone, or ``layer`` when proportions are given), ``--tensor-split`` proportions
+    and ``--main-gpu`` (:mod:`freetoken.engine.split`).
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
     see (runtime/kv_cache.py)."""
@@ -83,6 +87,9 @@ class EngineOptions:
     moe_fetch_share: float | None = None
     mmap: bool = True
     swa_full: bool = False
+    split_mode: str | None = None
+    tensor_split: tuple[float, ...] | None = None
+    main_gpu: int = 0
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -114,6 +121,14 @@ class EngineOptions:
                     "--moe-fetch-share applies to --moe-strategy hybrid (or auto), not "
                     f"{self.moe_strategy}"
                 )
+        if self.split_mode is not None and self.split_mode not in SPLIT_MODES:
+            raise InvalidInputError(
+                f"--split-mode {self.split_mode}: choose one of {', '.join(SPLIT_MODES)}"
+            )
+        if self.main_gpu < 0:
+            raise InvalidInputError(f"--main-gpu must be >= 0, got {self.main_gpu}")
+        if self.tensor_split is not None:
+            parse_tensor_split(",".join(map(str, self.tensor_split)))  # >= 0, not all zero
 
     @property
     def poll_us(self) -> int | None:
@@ -193,6 +208,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of the window: more memory, longer reusable prefixes",
     )
 
+    g.add_argument(
+        "-sm",
+        "--split-mode",
+        choices=SPLIT_MODES,
+        default=None,
+        help="several GPUs: none (--main-gpu alone, the default) or layer (ranges of layers)",
+    )
+    g.add_argument(
+        "-ts",
+        "--tensor-split",
+        default=None,
+        metavar="N0,N1,...",
+        help="proportions of the layers per GPU, e.g. 3,1",
+    )
+    g.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX", help="the GPU to use")
+
 
 def from_args(args: argparse.Namespace) -> EngineOptions:
     """The options of parsed :func:`add_arguments` flags."""
@@ -212,6 +243,9 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_fetch_share=args.moe_fetch_share,
         mmap=args.mmap,
         swa_full=args.swa_full,
+        split_mode=args.split_mode,
+        tensor_split=None if args.tensor_split is None else parse_tensor_split(args.tensor_split),
+        main_gpu=args.main_gpu,
     )
 
 
@@ -268,4 +302,7 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
         cpu_layers=opts.moe_cpu_layers,
         fetch_share=opts.moe_fetch_share,
+        split_mode=opts.split_mode,
+        tensor_split=opts.tensor_split,
+        main_gpu=opts.main_gpu,
     )

@@ -40,6 +40,7 @@ from freetoken.engine.gpu_moe import (
 )
 from freetoken.engine.hybrid import HybridExperts
 from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
+from freetoken.engine.split import SplitPlan, plan_split
 from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
@@ -175,6 +176,42 @@ def _expert_layers(model: Transformer) -> list[ExpertLayer]:
     return [ExpertLayer.of(blk.ffn) for blk in model.blocks if isinstance(blk.ffn, MoeFFN)]
 
 
+def _split_plan(
+    model: Transformer,
+    layers: list[ExpertLayer],
+    n_gpus: int,
+    mode: str | None,
+    tensor_split: tuple[float, ...] | None,
+    main_gpu: int,
+    cache_mib: int | None,
+) -> SplitPlan:
+    """The GPUs' layer ranges. Without ``--split-mode`` a host of several GPUs uses the main
+    one alone; an explicit ``layer`` split that spans several GPUs is refused, since this
+    placement keeps a model on one device."""
+    sizes = {ex.index: ex.spec().expert_bytes * ex.n_experts for ex in layers}
+    n_layers = len(model.blocks)
+    free = [torch.cuda.mem_get_info(d)[0] for d in range(n_gpus)]
+    chosen = mode or ("layer" if tensor_split is not None else "none")
+    plan = plan_split(
+        n_layers,
+        n_gpus,
+        mode=chosen,
+        tensor_split=tensor_split,
+        main_gpu=main_gpu,
+        free_bytes=free,
+        cache_mib=cache_mib,
+        expert_bytes=[sizes.get(i, 0) for i in range(n_layers)],
+    )
+    if len(plan.devices) > 1:
+        raise UnsupportedError(
+            f"--split-mode layer: {plan.describe()}: layers on several GPUs are not "
+            "supported yet (use --split-mode none --main-gpu N)"
+        )
+    if mode is None and n_gpus > 1:
+        log.info("%d GPUs: the model goes to GPU %d (--main-gpu)", n_gpus, main_gpu)
+    return plan
+
+
 def place_on_gpu(
     model: Transformer,
     *,
@@ -187,6 +224,9 @@ def place_on_gpu(
     cache_policy: str = "lru",
     cpu_layers: str | None = None,
     device: torch.device | str | None = None,
+    split_mode: str | None = None,
+    tensor_split: tuple[float, ...] | None = None,
+    main_gpu: int = 0,
     fetch_share: float | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
@@ -194,7 +234,9 @@ def place_on_gpu(
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
-    (:mod:`freetoken.engine.cpu_layers`), ``fetch_share`` ``--moe-fetch-share``
+    (:mod:`freetoken.engine.cpu_layers`); ``split_mode``, ``tensor_split`` and ``main_gpu``
+    pick the GPU (:mod:`freetoken.engine.split`) unless ``device`` names one;
+    ``fetch_share`` is ``--moe-fetch-share``
     (:class:`~freetoken.engine.hybrid.HybridExperts`). Logs what it did (the placement, the
     pools) on the ``freetoken`` logger at INFO level and returns it."""
     if strategy not in MOE_STRATEGIES:
@@ -207,10 +249,16 @@ def place_on_gpu(
     status = gpu.status()
     if not (status.available and torch.cuda.is_available()):
         raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")
-    dev = torch.device(device or "cuda")
+    layers = _expert_layers(model)
+    if device is None:
+        plan = _split_plan(
+            model, layers, status.n_devices, split_mode, tensor_split, main_gpu, cache_mib
+        )
+        device, cache_mib = torch.device("cuda", plan.devices[0]), plan.cache_mib[0]
+        log.info("split: %s", plan.describe())
+    dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    layers = _expert_layers(model)
     wanted = parse_cpu_layers(cpu_layers, [ex.index for ex in layers])
     servable = [
         ex
