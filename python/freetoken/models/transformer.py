@@ -513,14 +513,29 @@ class Transformer:
         if self.attn_temp is not None:
             q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
+        return self._attend(i, q, k, v, step, window, blk.sinks)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: Step,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each sequence's rows of ``q, k, v [T, heads, dims]`` (after RoPE): their keys and
+        values stored in cache layer ``layer``, their queries attending over it; ``[T,
+        heads * dims_v]``."""
         outs, row = [], 0
         for sp in step.spans:
             n = sp.n
-            k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
-            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, blk.sinks):
+            k_all, v_all = sp.store(layer, k[row : row + n], v[row : row + n])
+            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, sinks):
                 # A decode step: one kernel instead of a scale, a mask and two products.
                 out = gpu.attn_decode(
-                    q[row], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                    q[row], k_all, v_all, sp.start, self.attn_scale, window, sinks
                 )
             else:
                 out = attention(
@@ -530,9 +545,9 @@ class Transformer:
                     sp.start,
                     self.attn_scale,
                     window,
-                    blk.sinks,
+                    sinks,
                     step.masks,
-                    sp.first_key(i),
+                    sp.first_key(layer),
                 )
             outs.append(out)
             row += n
