@@ -252,6 +252,38 @@ def test_states_stay_in_place_and_a_checkpoint_puts_them_back(
     assert [t.data_ptr() for t in cache.conv + cache.ssm] == ptrs
 
 
+def test_captured_step_form_matches_eager_decode(model_files: dict[str, Path]) -> None:
+    """Decode steps in the form a CUDA graph captures them (runtime/cuda_graph.py), run on the
+    CPU: positions as a tensor, a fixed number of cached positions read with those past the
+    token masked, two sequences in one step. The same logits as eager decode steps, and the
+    states advance alike."""
+    from freetoken.runtime.step import Span, Step
+
+    for name in ("qwen35-kquant", "qwen3next-mixed"):
+        model = load_model(GGUFFile(model_files[name]))
+        prompts = [list(range(10, 50)), list(range(300, 371))]
+        eager = [model.new_cache(256) for _ in prompts]
+        graph = [model.new_cache(256) for _ in prompts]
+        for p, e, g in zip(prompts, eager, graph, strict=True):
+            model.forward(p, e)
+            model.forward(p, g)
+        for t in range(6):
+            toks = [20 + t, 400 + t]
+            ref = torch.stack(
+                model.forward_batch([([x], c) for x, c in zip(toks, eager, strict=True)])
+            )
+            pos = torch.tensor([c.reserve(1) for c in graph])
+            spans = [Span(pos[i : i + 1], 1, c, 256) for i, c in enumerate(graph)]
+            with torch.inference_mode():
+                out = model.run(torch.tensor(toks), Step(pos, spans), None)
+            for c in graph:
+                c.commit(1)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"{name} step {t}")
+        for e, g in zip(eager, graph, strict=True):
+            for a, b in zip(e.ssm + e.conv, g.ssm + g.conv, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 # ---- bad files -----------------------------------------------------------------------------
 
 _U32 = GGUFValueType.UINT32
