@@ -9,7 +9,9 @@ CPU's near-ties and the mean KL(CPU || GPU) is at most 0.005. Each GPU strategy 
 through the hand-off) on the MoE architectures; the dense one has no experts to place.
 Decode steps replay CUDA graphs (the recurrent step updates the cache's state buffers in
 place) and give the eager step's logits, one sequence or several in one graph; a cut back
-to a snapshot on the GPU continues as a fresh run.
+to a snapshot on the GPU continues as a fresh run. Through the live server on ``hybrid``:
+a multi-turn chat and a shared system prompt reuse their prefixes and give the fresh runs'
+outputs, and requests never read each other's state (tests/test_server_hybrid_prefix.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import test_server_hybrid_prefix as prefix  # noqa: E402
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.llm import LLM, PROMPT_CHUNK  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
@@ -208,3 +211,23 @@ def test_snapshot_restore_on_the_gpu(
     assert cache.truncate(PROMPT_CHUNK - 1) == 0
     assert all(not s.any() for s in cache.ssm) and all(not c.any() for c in cache.conv)
     _check("after a cut to nothing", ref, _run(model, prompt, gen, cache))
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model = prefix.build_model(tmp_path_factory.mktemp("prefix-model"))
+    log = tmp_path_factory.mktemp("server") / "stderr.txt"
+    with prefix.serve(model, log, prefix.GPU_ARGS) as srv:
+        yield srv
+
+
+def test_server_multi_turn_chat(gpu_server: Any) -> None:
+    prefix.check_multi_turn_chat(gpu_server)
+
+
+def test_server_shared_system_prompt(gpu_server: Any) -> None:
+    prefix.check_shared_system_prompt(gpu_server)
+
+
+def test_server_requests_isolated(gpu_server: Any) -> None:
+    prefix.check_isolation(gpu_server)

@@ -18,14 +18,15 @@ end check only: this small model's next token depends mostly on the last few, so
 from a nearby position moves the log-probabilities about as little. The sharp check runs
 the server's scheduler in-process: after every request each slot's recurrent states equal,
 float for float, those of a fresh cache that ran exactly that slot's tokens in the same
-steps. The module runs on the CPU engine; with a GPU the live server runs again on
-``--moe-strategy hybrid`` (the states on the GPU, decode as graphs).
+steps. The module runs on the CPU engine; tests/test_gpu_qwen35.py runs the live server's
+checks on ``--moe-strategy hybrid`` (the states on the GPU, decode as graphs).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,6 @@ openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
 from freetoken.errors import FileAccessError  # noqa: E402
-from freetoken.runtime import gpu  # noqa: E402
 from freetoken.testmodel import make_test_model  # noqa: E402
 from live_server import Server, live_server  # noqa: E402
 
@@ -50,39 +50,40 @@ SYSTEM = (
     "does not exist; when unsure, say so plainly and suggest where to look it up."
 )
 
-_HAS_GPU = torch.cuda.is_available() and gpu.available()
-DEVICES = [
-    pytest.param(["--device", "cpu"], id="cpu"),
-    pytest.param(
-        ["--device", "cuda", "--moe-strategy", "hybrid", "--moe-cache-mib", "1"],
-        id="gpu-hybrid",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not _HAS_GPU, reason="needs a CUDA GPU")],
-    ),
-]
+#: The server's engine flags of tests/test_gpu_qwen35.py, which runs these checks on the GPU.
+GPU_ARGS = ["--device", "cuda", "--moe-strategy", "hybrid", "--moe-cache-mib", "1"]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small qwen35moe on the Qwen3.5 vocabulary (with its chat template)."""
-    out = tmp_path_factory.mktemp("hybrid-prefix") / "qwen35moe.gguf"
+def build_model(out: Path) -> Path:
+    """A small qwen35moe on the Qwen3.5 vocabulary (with its chat template) in ``out``; skips
+    the calling test when the llama.cpp tree (the vocabulary) is not unpacked."""
     try:
         return make_test_model(
-            "qwen35moe", out=out, log=lambda _: None, layers=4, hidden=256, ffn=512, heads=4,
-            kv_heads=2, head_dim=64, experts=8, top_k=2, expert_ffn=256,
+            "qwen35moe", out=out / "qwen35moe.gguf", log=lambda _: None, layers=4, hidden=256,
+            ffn=512, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, expert_ffn=256,
             quant="q8_0,exps=q4_k", seed=5,
         )  # fmt: skip
     except FileAccessError as e:
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module", params=DEVICES)
-def server(
-    request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("server") / "stderr.txt"
-    # Prompt chunks of 32 tokens: the prompts here span several, so snapshots fall inside them.
-    args = ["--alias", ALIAS, "--parallel", "2", "-c", "1024", "-b", "32", *request.param]
+@contextmanager
+def serve(model: Path, log: Path, engine_args: list[str]) -> Iterator[Server]:
+    """The live server these checks run on: two slots, prompt steps of 32 tokens (the prompts
+    here span several, so snapshots fall inside them)."""
+    args = ["--alias", ALIAS, "--parallel", "2", "-c", "1024", "-b", "32", *engine_args]
     with live_server(model, log, args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("hybrid-prefix"))
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(model, tmp_path_factory.mktemp("server") / "stderr.txt", ["--device", "cpu"]) as srv:
         yield srv
 
 
@@ -141,7 +142,8 @@ def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def test_multi_turn_chat_reuses_prefix_like_fresh_runs(server: Server) -> None:
+def check_multi_turn_chat(server: Server) -> None:
+    """Each turn of a chat reuses the earlier turns and gives the fresh run's output."""
     messages = [{"role": "system", "content": SYSTEM}]
     turns = ["Tell me about the Danube.", "And the Rhine?", "Which of the two is longer?"]
     for turn, question in enumerate(turns):
@@ -154,7 +156,8 @@ def test_multi_turn_chat_reuses_prefix_like_fresh_runs(server: Server) -> None:
         messages.append({"role": "assistant", "content": fresh.text})
 
 
-def test_shared_system_prompt_like_fresh_runs(server: Server) -> None:
+def check_shared_system_prompt(server: Server) -> None:
+    """A second question reuses the first one's system prompt, with the fresh run's output."""
     # A system prompt of its own: the slot of the first question is the one to reuse.
     system = "You answer questions about the Alps and the rivers that rise in them. " + SYSTEM
     first = [{"role": "system", "content": system}, _user("Where does the Loire begin?")]
@@ -165,7 +168,8 @@ def test_shared_system_prompt_like_fresh_runs(server: Server) -> None:
     _same("second question", _chat(server, second, cache=False), reused)
 
 
-def test_requests_never_read_each_others_state(server: Server) -> None:
+def check_isolation(server: Server) -> None:
+    """Two conversations at once and one after another: each gives its fresh output."""
     convs = [
         [_user("Name three rivers of Africa and where they flow into the sea.")],
         [{"role": "system", "content": SYSTEM}, _user("Which mountains border Nepal?")],
@@ -186,6 +190,18 @@ def test_requests_never_read_each_others_state(server: Server) -> None:
     for _ in range(2):
         for conv, fr in zip(convs, fresh, strict=True):
             _same("one after another", fr, _chat(server, conv))
+
+
+def test_multi_turn_chat_reuses_prefix_like_fresh_runs(server: Server) -> None:
+    check_multi_turn_chat(server)
+
+
+def test_shared_system_prompt_like_fresh_runs(server: Server) -> None:
+    check_shared_system_prompt(server)
+
+
+def test_requests_never_read_each_others_state(server: Server) -> None:
+    check_isolation(server)
 
 
 N_STATE_GEN = 12
