@@ -64,10 +64,9 @@ prepare() {
     (
         cd "$DEV/llama.cpp"
         # The test models' vocabularies stay (llama-spm for the small ones, qwen2 for the
-        # Qwen3-30B-A3B-shaped benchmark model, qwen35 for the Qwen3.5 ones).
+        # Qwen3-30B-A3B-shaped benchmark model).
         mkdir -p ../vocab
-        cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf \
-            models/ggml-vocab-qwen35.gguf ../vocab/
+        cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
         rm -rf docs models tests examples pocs media gguf-py benches tools/server/tests \
             tools/server/bench .freetoken-complete
         # llama-server is built without its web UI: only the UI's CMake file and templates stay.
