@@ -11,8 +11,10 @@ through the same hand-off, no slots). The families cover shared
 experts (qwen2moe), the per-expert layout (Mixtral), different types across layers and for
 gate, up and down (mixed), sigmoid and grouped routing with MLA attention (deepseek2,
 glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor through
-the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0). Dense weights run both ways
-(``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
+the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0), and Gemma 4 (per-layer head
+sizes and KV heads, the shared-expert MoE with fused gate/up; its dense and E-series models,
+whose per-layer token rows are read on the host, through every strategy too). Dense weights
+run both ways (``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ MODELS = {
                       experts=8, top_k=4, expert_ffn=64, shared_experts=1, leading_dense=1,
                       rope_dim=16, kv_lora_rank=64, v_head_dim=32, q_lora_rank=64,
                       expert_gating="softmax", quant="q8_0,exps=q4_0,ffn_down_exps=q5_0"),
+    # Sliding (64-wide heads) and full (128-wide, one KV head, keys as values) layers, the
+    # dense FFN as a shared expert, fused gate/up experts.
+    "gemma4-moe": dict(arch="gemma4", layers=3, head_dim=64, head_dim_full=128,
+                       kv_heads_full=1, ffn=256, experts=8, top_k=4, expert_ffn=128,
+                       sliding_window=8, swa_pattern=3, expert_layout="fused",
+                       quant="q8_0,exps=q4_k,ffn_down_exps=q6_k"),
     # TQ2_0 has no GPU kernel: these experts stay on the CPU executor.
     "no-kernel": dict(arch="qwen3moe", head_dim=64, experts=8, top_k=2, expert_ffn=256,
                       quant="q8_0,exps=tq2_0"),
@@ -441,3 +449,37 @@ def test_hybrid_cpu_layers(
         _check("qwen3moe", f"cpu layers {spec} decode", ref, _decode_logits(llm, seq, first))
     st = place.experts.stats()  # type: ignore[union-attr]
     assert st.routes[1] > 0 and st.hits[1] == 0
+
+
+#: Gemma 4 without experts: the dense layout, and the E-series (per-layer inputs, shared-KV
+#: layers, double-wide FFNs there). Every strategy places them (no MoE layers to place);
+#: the E-series' steps read the host, so they run without graphs.
+GEMMA4_DENSE = {
+    "gemma4-dense": dict(arch="gemma4", layers=4, head_dim=64, head_dim_full=128,
+                         kv_heads_full=1, sliding_window=8, swa_pattern=2, quant="q4_k,attn=q8_0"),
+    "gemma4-e": dict(arch="gemma4", layers=6, head_dim=64, head_dim_full=128, kv_heads_full=1,
+                     sliding_window=8, swa_pattern=3, per_layer_width=64, shared_kv_layers=2,
+                     quant="q8_0,ffn=q5_k"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma4_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_models(GEMMA4_DENSE, _BASE, tmp_path_factory.mktemp("gpu-gemma4"))
+
+
+@pytest.mark.parametrize(("strategy", "dense"), [*STRATEGIES, ("gpu", "bf16")])
+@pytest.mark.parametrize("name", list(GEMMA4_DENSE))
+def test_gemma4_dense_matches_cpu(
+    name: str, strategy: str, dense: str, gemma4_files: dict[str, Path]
+) -> None:
+    path = gemma4_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, dense)
+    place = llm.placement
+    assert place is not None and place.graphs == (name != "gemma4-e")
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
+        _check(name, f"{strategy} {dense} prefill {prompt!r}", ref, prefill)
+        _check(name, f"{strategy} {dense} decode {prompt!r}", ref, _decode_logits(llm, seq, first))

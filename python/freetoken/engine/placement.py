@@ -143,7 +143,8 @@ class _Mover:
 
 def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
     """Where the model still holds host tensors or CPU layers after placement."""
-    if id(val) in seen:
+    if id(val) in seen or getattr(val, "host_resident", False):
+        # Parts read on the host by design (Gemma 4's per-layer token rows) stay there.
         return []
     seen.add(id(val))
     if isinstance(val, torch.Tensor):
@@ -155,7 +156,8 @@ def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
     if isinstance(val, dict):
         return [w for k, v in val.items() for w in _left_on_host(v, f"{where}[{k!r}]", seen)]
     if isinstance(val, MoeFFN):
-        parts = {"router": val.router, "shared": val.shared, "selection_bias": val.selection_bias}
+        parts = {"router": val.router, "shared": val.shared}
+        parts |= {n: v for n, v in vars(val).items() if isinstance(v, torch.Tensor)}
     elif _is_model_part(val):
         parts = vars(val)
     else:
@@ -271,6 +273,9 @@ def place_on_gpu(
     if model.rope_factors is not None:
         model.rope_factors = mover(model.rope_factors)
     model.output = mover(model.output)
+    # A family's own parts beyond the Transformer's (Gemma 4's per-layer inputs).
+    for name in getattr(model, "gpu_parts", ()):
+        setattr(model, name, mover(getattr(model, name)))
     emb = GpuEmbedding(model.embed, dev)
     model.embed = emb  # type: ignore[assignment]
     mover.dense_bytes += emb.table.numel() * emb.table.element_size()
@@ -304,9 +309,11 @@ def place_on_gpu(
     model.device = dev
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
-    # (hybrid's CPU half answers inside the graph).
-    place.graphs = not place.cpu_layers and (
-        not layers or isinstance(experts, (ResidentExperts, HybridExperts))
+    # (hybrid's CPU half answers inside the graph), no inputs read on the host.
+    place.graphs = (
+        not place.cpu_layers
+        and not getattr(model, "host_inputs", False)
+        and (not layers or isinstance(experts, (ResidentExperts, HybridExperts)))
     )
     model.graphs = GraphDecoder(model) if place.graphs else None
     log.info("%s", place.describe())
@@ -320,12 +327,14 @@ def _place_moe(
     experts: ResidentExperts | OffloadExperts | HybridExperts | None,
     moe: MoeContext | None,
 ) -> None:
-    """Moves a MoE feed-forward's router, shared experts and selection bias to the device and
-    gives it its expert backend: the pools when they serve the layer, else the CPU executor."""
+    """Moves a MoE feed-forward's router, shared experts and tensors (selection bias, a
+    family's norms and scales) to the device and gives it its expert backend: the pools when
+    they serve the layer, else the CPU executor."""
     if ffn.shared is not None:
         ffn.shared = mover(ffn.shared)
-    if ffn.selection_bias is not None:
-        ffn.selection_bias = mover(ffn.selection_bias)
+    for name, val in vars(ffn).items():
+        if isinstance(val, torch.Tensor):
+            setattr(ffn, name, mover(val))
     ffn.router = GpuLinear(ffn.router, mover.device, mover.dense, keep_f32=True)  # type: ignore[arg-type]
     if experts is not None and ex is not None:
         backend = GpuExperts(ex, ffn.routing, experts, ffn.selection_bias)
