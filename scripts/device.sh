@@ -8,8 +8,9 @@
 #                                         bench-model if missing) against llama-bench
 #   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
 #                                         llama-bench -ncmoe on the uniform and zipf models
-#   bash scripts/device.sh bench-streams  on the GPU machine: 4 and 16 concurrent streams,
-#                                         freetoken serve (hybrid) against llama-server -ncmoe
+#   bash scripts/device.sh bench-streams  on the GPU machine: 4, 16 and 32 concurrent streams
+#                                         and 4096-token prompts, freetoken serve (hybrid)
+#                                         against llama-server -ncmoe, 3 rounds in turn
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
 #   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
@@ -261,13 +262,23 @@ bench_hybrid() {
 }
 
 # Concurrent streams: freetoken serve --moe-strategy hybrid at a 25% cache against
-# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM).
+# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM), each
+# server started once; FT_STREAMS (4,16,32) concurrent decode streams and FT_PROMPT_STREAMS
+# (4) prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
+# median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
+# beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
+# bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     bench_model
+    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
+        python3 -m freetoken bench-bw -m "$BENCH_MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw.md"
+    fi
     python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
-        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16}" -n 64 \
-        -t "$(nproc)" "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
+        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
+        --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
+        --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888} -b 2048 ${FT_STREAMS_ARGS:-}" \
         "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
         --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
 }

@@ -290,18 +290,12 @@ def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> Non
         _check("qwen3moe", f"decode after a longer prompt {prompt!r}", ref, np.stack(out))
 
 
-@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
-@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
-def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[str, Path]) -> None:
-    """Decode steps of several sequences at once, one token each (the server's continuous
-    batching), replayed as one CUDA graph per set of sequences: each sequence's logits match
-    the CPU's. The second sequence joins five steps late and the first ends first, so the
-    batch goes 1 -> 2 -> 1 sequences (three graphs)."""
-    path = model_files[name]
-    seqs, refs = _cpu_runs(path)
-    llm = _gpu_llm(path, strategy, "quant")
+def _batched_decode(llm: LLM, seqs: list[list[int]]) -> list[np.ndarray]:
+    """Each sequence's logits from its prompt's last position on, its prompt run alone and
+    then one token per sequence and step, all running sequences in one step (the server's
+    continuous batching): the second sequence joins five steps late and the first ends
+    first, so the batch goes 1 -> 2 -> 1 sequences."""
     model = llm.model
-    assert model.graphs is not None
     firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
     caches = [model.new_cache(len(s)) for s in seqs]
     outs = [
@@ -316,9 +310,80 @@ def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[
             outs[i].append(row.numpy())
             nxt[i] += 1
         step += 1
+    return [np.stack(o) for o in outs]
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
+def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[str, Path]) -> None:
+    """Decode steps of several sequences at once, one token each, replayed as one CUDA graph
+    per set of sequences (three graphs: 1 -> 2 -> 1 sequences): each sequence's logits match
+    the CPU's."""
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, "quant")
+    model = llm.model
+    assert model.graphs is not None
+    outs = _batched_decode(llm, seqs)
     assert any(len(key[0]) == 2 for key in model.graphs.graphs), "no two-sequence graph ran"
     for prompt, ref, out in zip(PROMPTS, refs, outs, strict=True):
-        _check(name, f"{strategy} batched decode {prompt!r}", ref, np.stack(out))
+        _check(name, f"{strategy} batched decode {prompt!r}", ref, out)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
+def test_hybrid_fetch_share_matches_cpu_and_gpu(
+    name: str, share: float, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hybrid`` with ``--moe-fetch-share`` forced, on steps of several tokens: prompts split
+    (not streamed) and decode steps of two sequences at once. Each layer's hits run on the
+    slot pool, the forced share of its missed experts is uploaded for the step and computed
+    on the GPU, the rest on the CPU; the teacher-forced logits match the CPU engine's and the
+    all-resident ``gpu`` strategy's on the same steps. Share 0 fetches nothing (two-sequence
+    decode steps are still graphs); above 0 experts are fetched (those steps run eagerly),
+    and at 1 the CPU computes only the misses the staging buffer has no room for."""
+    from freetoken.engine import hybrid
+
+    monkeypatch.setattr(hybrid, "MAX_SLOT_TOKENS", hybrid.MAX_TOKENS)
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    all_gpu = _gpu_llm(path, "gpu", "quant")
+    opts = EngineOptions(
+        device="cuda", moe_strategy="hybrid", moe_cache_mib=1, moe_fetch_share=share
+    )
+    llm = LLM(path, n_ctx=256, engine=opts)
+    assert llm.placement is not None and llm.placement.strategy == "hybrid"
+    experts = llm.placement.experts
+    assert isinstance(experts, hybrid.HybridExperts) and experts.fetch_share == share
+    how = f"hybrid fetch share {share}"
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        want = all_gpu.logits(seq)[first:-1].numpy()
+        _check(name, f"gpu prefill {prompt!r}", ref, want)
+        got = llm.logits(seq)[first:-1].numpy()
+        _check(name, f"{how} prefill {prompt!r} against the CPU", ref, got)
+        _check(name, f"{how} prefill {prompt!r} against gpu", want, got)
+    wants, gots = _batched_decode(all_gpu, seqs), _batched_decode(llm, seqs)
+    for prompt, ref, want, got in zip(PROMPTS, refs, wants, gots, strict=True):
+        _check(name, f"{how} batched decode {prompt!r} against the CPU", ref, got)
+        _check(name, f"{how} batched decode {prompt!r} against gpu", want, got)
+    st = experts.stats()
+    two = st.fetch["2-4"]  # the two-sequence decode steps
+    assert two["steps"] > 0 and 0 < st.hits.sum() < st.routes.sum(), st
+    graphs = llm.model.graphs
+    assert graphs is not None
+    assert any(len(key[0]) == 2 for key in graphs.graphs) == (share == 0.0)
+    if share == 0.0:
+        assert st.fetched.sum() == 0 and all(c["uploaded_routes"] == 0 for c in st.fetch.values())
+        return
+    assert st.fetched.sum() > 0 and two["uploaded_routes"] > 0 and two["uploaded_bytes"] > 0, st
+    assert two["upload_s"] > 0, st
+    assert sum(c["uploaded_routes"] for c in st.fetch.values()) == st.fetched.sum(), st
+    several = [c for size, c in st.fetch.items() if size != "1"]  # one-token steps never fetch
+    if share == 1.0:  # the CPU gets only what the staging buffer has no room for
+        assert all(c["cpu_routes"] < c["uploaded_routes"] for c in several), st
+    else:
+        assert sum(c["cpu_routes"] for c in several) > 0, st
 
 
 def test_bf16_dense_weights(model_files: dict[str, Path]) -> None:
@@ -411,7 +476,7 @@ def test_hybrid_splits_prompts_and_fills(
     (rec,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert rec["strategy"] == "hybrid" and 0 < rec["hit_rate"] < 1, rec
     for la in rec["layers"]:
-        assert la["gpu_routes"] + la["cpu_routes"] == la["routes"] > 0, la
+        assert la["gpu_routes"] + la["fetched_routes"] + la["cpu_routes"] == la["routes"] > 0, la
         assert la["filled_hits"] == la["gpu_routes"], la
     assert sorted(map(int, rec["resident"])) == [0, 1] and rec["uploaded_bytes"] >= 0
 

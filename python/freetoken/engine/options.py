@@ -60,6 +60,9 @@ class EngineOptions:
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
     engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py).
+    ``moe_fetch_share``: under ``hybrid``, the share (0-1) of a layer's missed experts that
+    steps of several tokens upload and compute on the GPU, the rest computed on the CPU
+    meanwhile (None: chosen per layer and step from the bench-bw figures, engine/fetch.py).
     ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
     huge-page-backed memory (freetoken.gguf.GGUFFile).
     ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
@@ -81,6 +84,7 @@ class EngineOptions:
     poll: int | None = None
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
+    moe_fetch_share: float | None = None
     mmap: bool = True
     swa_full: bool = False
     split_mode: str | None = None
@@ -115,6 +119,16 @@ class EngineOptions:
             raise InvalidInputError(f"--main-gpu must be >= 0, got {self.main_gpu}")
         if self.tensor_split is not None:
             parse_tensor_split(",".join(map(str, self.tensor_split)))  # >= 0, not all zero
+        if self.moe_fetch_share is not None:
+            if not 0.0 <= self.moe_fetch_share <= 1.0:
+                raise InvalidInputError(
+                    f"--moe-fetch-share must be within 0-1, got {self.moe_fetch_share}"
+                )
+            if self.moe_strategy not in ("auto", "hybrid"):
+                raise InvalidInputError(
+                    "--moe-fetch-share applies to --moe-strategy hybrid (or auto), not "
+                    f"{self.moe_strategy}"
+                )
 
     @property
     def poll_us(self) -> int | None:
@@ -163,6 +177,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE.jsonl",
         help="append one record per generation: where each layer's routes were computed",
+    )
+    g.add_argument(
+        "--moe-fetch-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="hybrid, steps of several tokens: upload this share (0-1) of each layer's missed "
+        "experts to the GPU, the CPU computes the rest meanwhile (default: from bench-bw)",
     )
     g.add_argument(
         "--moe-cache-adaptive",
@@ -218,6 +240,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         poll=args.poll,
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
+        moe_fetch_share=args.moe_fetch_share,
         mmap=args.mmap,
         swa_full=args.swa_full,
         split_mode=args.split_mode,
@@ -275,4 +298,5 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         split_mode=opts.split_mode,
         tensor_split=opts.tensor_split,
         main_gpu=opts.main_gpu,
+        fetch_share=opts.moe_fetch_share,
     )

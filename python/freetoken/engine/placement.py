@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from freetoken.engine.bandwidth_profile import KindBandwidth, load_bandwidth_profile
 from freetoken.engine.cpu_layers import parse_cpu_layers, pin_budget, split_for_pinning
 from freetoken.engine.gpu_layers import (
     GpuEmbedding,
@@ -228,15 +229,18 @@ def place_on_gpu(
     split_mode: str | None = None,
     tensor_split: tuple[float, ...] | None = None,
     main_gpu: int = 0,
+    fetch_share: float | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
-    (:mod:`freetoken.engine.cpu_layers`); ``split_mode``, ``tensor_split`` and ``main_gpu``
-    pick the GPU (:mod:`freetoken.engine.split`) unless ``device`` names one. Logs what it
-    did (the placement, the pools) on the ``freetoken`` logger at INFO level and returns it."""
+    (:mod:`freetoken.engine.cpu_layers`), ``fetch_share`` ``--moe-fetch-share``
+    (:class:`~freetoken.engine.hybrid.HybridExperts`); ``split_mode``, ``tensor_split`` and
+    ``main_gpu`` pick the GPU (:mod:`freetoken.engine.split`) unless ``device`` names one.
+    Logs what it did (the placement, the pools) on the ``freetoken`` logger at INFO level and
+    returns it."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
@@ -282,7 +286,13 @@ def place_on_gpu(
     experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
         opts = _CacheOptions(
-            n_ctx, cache_mib, cache_scope, cache_profile, cache_policy, cpu_auto=wanted is None
+            n_ctx,
+            cache_mib,
+            cache_scope,
+            cache_profile,
+            cache_policy,
+            cpu_auto=wanted is None,
+            fetch_share=fetch_share,
         )
         experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
     if experts is None and layers and model.moe is not None and _one_shape(layers):
@@ -352,6 +362,7 @@ class _CacheOptions:
     policy: str
     #: ``--moe-cpu-layers auto``: pin layers in order while the host allows.
     cpu_auto: bool
+    fetch_share: float | None
 
 
 def _budget(
@@ -435,10 +446,8 @@ def _experts(
     plan = plan_for(layers)
     bw = None
     if strategy in ("auto", "hybrid") and not plan.all_resident:
-        from freetoken.engine.bandwidth_profile import load_bandwidth_profile
-
         profile = load_bandwidth_profile(model)
-        bw = profile.for_layer(layers[0]) if profile is not None else None
+        bw = profile.for_layers(layers) if profile is not None else None
     if strategy == "auto":
         one = _one_shape(all_layers)
         strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
@@ -464,7 +473,7 @@ def _experts(
         # Layers without slots still go through the hand-off when it can serve them.
         cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
         experts: OffloadExperts = HybridExperts(
-            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins
+            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins, o.fetch_share
         )
     else:
         experts = OffloadExperts(layers, plan, dev, o.policy, pinned=pins)
@@ -478,16 +487,18 @@ def _one_shape(layers: list[ExpertLayer]) -> bool:
     return len({(ex.gate.k, ex.n_experts, ex.top_k) for ex in layers}) == 1
 
 
-def _why(strategy: str, k: Any) -> str:
-    """Why ``auto`` chose ``strategy``; ``k`` is the layers' bench-bw figures, if saved."""
+def _why(strategy: str, bw: dict[int, KindBandwidth] | None) -> str:
+    """Why ``auto`` chose ``strategy``; ``bw`` is each layer's bench-bw figures, if saved."""
     if strategy == "gpu":
         return "every expert fits the cache"
     if strategy == "offload":
         return "the MoE layers differ in shape"
-    if k is None:
+    if bw is None:
         return "experts exceed the cache; misses computed on the CPU (no bench-bw profile)"
-    return (
-        f"experts exceed the cache; a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} "
-        f"GB/s) than over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
+    kinds = {k.key: k for k in bw.values()}.values()
+    return "experts exceed the cache; " + "; ".join(
+        f"{k.key}: a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} GB/s) than "
+        f"over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
         f"{k.break_even_reuse or float('inf'):.1f}x"
+        for k in kinds
     )

@@ -45,7 +45,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class StepHook(Protocol):
     """Work around each forward step (see ``Transformer.step_hook``)."""
 
-    def begin(self, n_tokens: int) -> None: ...
+    def begin(self, n_tokens: int) -> bool:
+        """Before a step of ``n_tokens``; returns whether the step may replay a captured
+        graph (False: it reads back to the host)."""
+        ...
 
     def end(self) -> None: ...
 
@@ -406,21 +409,26 @@ class Transformer:
         flat = [t for tokens, _ in seqs for t in tokens]
         ids = self.embed.lookup(flat)
         hook = self.step_hook
-        if hook is not None:
-            hook.begin(len(flat))
+        capturable = hook.begin(len(flat)) if hook is not None else True
         try:
-            return self._logits(ids, flat, spans, all_logits)
+            return self._logits(ids, flat, spans, all_logits, capturable)
         finally:
             if hook is not None:
                 hook.end()
 
     def _logits(
-        self, ids: torch.Tensor, flat: list[int], spans: list[Span], all_logits: bool
+        self,
+        ids: torch.Tensor,
+        flat: list[int],
+        spans: list[Span],
+        all_logits: bool,
+        capturable: bool,
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
         caches = [sp.cache for sp in spans]
         if (
-            self.graphs is not None
+            capturable
+            and self.graphs is not None
             and len(flat) == len(spans) <= MAX_BATCH
             and len({id(c) for c in caches}) == len(caches)
         ):
