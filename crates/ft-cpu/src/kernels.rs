@@ -383,14 +383,20 @@ mod tile_tests {
     use super::*;
     use freetoken_ggml::quantize;
 
+    /// Tokens per call: one, the tiles and their neighbours, tiles with every tail, 64.
+    const TOKEN_COUNTS: [usize; 11] = [1, 2, 3, 4, 7, 8, 9, 13, 19, 33, 64];
+
     /// Every (token, row) of `dots` over many tokens, on quantized and on random blocks, is
     /// ggml's own dot product, bit for bit: tiles of tokens, groups of rows and both kinds of
-    /// tails; with two passes per token, the two passes' products added.
+    /// tails, at K of one block and of three (an odd count: the table types' scalar tail);
+    /// with two passes per token, the two passes' products added.
     #[test]
     fn tokens_times_rows_equal_ggml_bit_for_bit() {
-        let k = 96;
-        for t in super::tests::GROUP_TYPES {
-            let k = if t.block_size() == 32 { k } else { 256 };
+        for (t, blocks) in super::tests::GROUP_TYPES
+            .into_iter()
+            .flat_map(|t| [1, 3].map(|b| (t, b)))
+        {
+            let k = blocks * t.block_size();
             let kernel = VecDot::new(t, k).unwrap();
             let (ab, rb) = (kernel.act_row_bytes(), kernel.weight_row_bytes());
             let wf: Vec<f32> = (0..11 * k)
@@ -401,7 +407,7 @@ mod tile_tests {
             let random = super::tests::random_blocks(t, 11, k, 5);
             for ((w, n_tok), level) in [&quantized, &random]
                 .into_iter()
-                .flat_map(|w| [1, 2, 3, 4, 7, 8, 9, 13, 19, 33].map(|n| (w, n)))
+                .flat_map(|w| TOKEN_COUNTS.map(|n| (w, n)))
                 .flat_map(|c| super::tests::levels().map(move |l| (c, l)))
             {
                 let dots = RowDots::with_isa(kernel, level);
@@ -424,16 +430,21 @@ mod tile_tests {
                     let two: Vec<&[u8]> = two.iter().map(Vec::as_slice).collect();
                     let mut sum = vec![f32::NAN; n_tok * n_rows];
                     dots.dots(w, &two, &mut sum);
-                    for tok in 0..n_tok {
-                        for r in 0..n_rows {
-                            let row = &w[r * rb..(r + 1) * rb];
-                            let want = kernel.dot(row, one[tok]).unwrap();
-                            let v = got[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} {tok} row {r}");
-                            let want = want + kernel.dot(row, one[(tok + 1) % n_tok]).unwrap();
-                            let v = sum[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} 2 {tok} {r}");
-                        }
+                    let case = format!("{t} {level:?} k={k}, {n_tok} tokens, {n_rows} rows");
+                    let want: Vec<f32> = (0..n_tok * n_rows)
+                        .map(|i| {
+                            let (tok, r) = (i / n_rows, i % n_rows);
+                            kernel.dot(&w[r * rb..(r + 1) * rb], one[tok]).unwrap()
+                        })
+                        .collect();
+                    for (i, (v, want)) in got.iter().zip(&want).enumerate() {
+                        let (tok, r) = (i / n_rows, i % n_rows);
+                        assert_eq!(v.to_bits(), want.to_bits(), "{case}: token {tok} row {r}");
+                    }
+                    for (i, v) in sum.iter().enumerate() {
+                        let (tok, r) = (i / n_rows, i % n_rows);
+                        let want = want[i] + want[(tok + 1) % n_tok * n_rows + r];
+                        assert_eq!(v.to_bits(), want.to_bits(), "{case}, 2 passes: {tok} {r}");
                     }
                 }
             }
@@ -447,14 +458,16 @@ mod dispatch_tests {
     use freetoken_ggml::GgmlType;
 
     /// The types with group kernels at the AVX2 level.
-    const AVX2_TYPES: [GgmlType; 7] = [
+    const AVX2_TYPES: [GgmlType; 9] = [
         GgmlType::Q4_0,
         GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::IQ4_NL,
         GgmlType::MXFP4,
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
     ];
 
     /// The tests above compare the group kernels only where they run: say where that is.
