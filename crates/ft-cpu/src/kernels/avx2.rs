@@ -23,8 +23,8 @@ use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
 
 /// The weight types (const generic parameters).
-const Q4: u8 = 0;
-const Q5: u8 = 1;
+pub(super) const Q4: u8 = 0;
+pub(super) const Q5: u8 = 1;
 const Q8: u8 = 2;
 const Q4K: u8 = 3;
 const Q6K: u8 = 4;
@@ -211,7 +211,7 @@ fn prefetch_ahead(w: *const u8, row_bytes: usize, b: usize, block: usize) {
 /// Two readable bytes at `p`; the CPU has F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fp16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn fp16_at(p: *const u8) -> f32 {
     // SAFETY: per the contract.
     let bits = unsafe { p.cast::<i16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits)))
@@ -235,7 +235,7 @@ pub(super) fn hsum_float_8(x: __m256) -> f32 {
 /// `x` points at a block of the type; the CPU has AVX2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
+pub(super) unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
     // SAFETY: within the block, per the contract.
     unsafe {
         if KIND == Q8 {
