@@ -536,7 +536,7 @@ class Transformer:
     ) -> torch.Tensor:
         """Grouped-query attention of layer ``i``, before the output projection."""
         cfg, feat, eps = self.cfg, self.feat, self.cfg.norm_eps
-        t, own_kv = h.shape[0], blk.wk is not None
+        t = h.shape[0]
         k = v = None
         if blk.wk is not None:
             projs = (blk.wq, blk.wk) if blk.wv is None else (blk.wq, blk.wk, blk.wv)
