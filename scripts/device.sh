@@ -8,8 +8,9 @@
 #                                         bench-model if missing) against llama-bench
 #   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
 #                                         llama-bench -ncmoe on the uniform and zipf models
-#   bash scripts/device.sh bench-streams  on the GPU machine: 4 and 16 concurrent streams,
-#                                         freetoken serve (hybrid) against llama-server -ncmoe
+#   bash scripts/device.sh bench-streams  on the GPU machine: 4, 16 and 32 concurrent streams
+#                                         and 4096-token prompts, freetoken serve (hybrid)
+#                                         against llama-server -ncmoe, 3 rounds in turn
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
 #   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
@@ -44,6 +45,9 @@ ARCHS=${FREETOKEN_CUDA_ARCHS:-90}
 # The pinned sdist's sha256 (python/freetoken/llama_pin.toml, one `key = "value"` per line).
 SHA=$(sed -n 's/^sha256 = "\([0-9a-f]*\)"$/\1/p' python/freetoken/llama_pin.toml)
 [ ${#SHA} = 64 ] || { echo "device.sh: no sha256 in python/freetoken/llama_pin.toml" >&2; exit 2; }
+# The families' vocabularies the GPU tests read besides llama-spm and qwen2.
+PACKED_VOCABS="llama-bpe qwen35 gemma-4"
+
 # Instruction sets both the dev machines and the GPU machine have.
 CPU_OPTIONS="GGML_SSE42=ON GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON \
 GGML_AVX512=ON GGML_AVX512_VBMI=ON GGML_AVX512_VNNI=ON GGML_AVX512_BF16=ON"
@@ -64,15 +68,17 @@ prepare() {
     (
         cd "$DEV/llama.cpp"
         # The test models' vocabularies stay (llama-spm for the small ones, qwen2 for the
-        # Qwen3-30B-A3B-shaped benchmark model).
+        # Qwen3-30B-A3B-shaped benchmark model); the families' own ones travel compressed
+        # (the carried tree's size limit) and are unpacked there before the tests.
         mkdir -p ../vocab
         cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
+        for v in $PACKED_VOCABS; do xz -6 -T2 -c "models/ggml-vocab-$v.gguf" >"../vocab/ggml-vocab-$v.gguf.xz"; done
         rm -rf docs models tests examples pocs media gguf-py benches tools/server/tests \
             tools/server/bench .freetoken-complete
         # llama-server is built without its web UI: only the UI's CMake file and templates stay.
         find tools/ui -mindepth 1 ! -name CMakeLists.txt ! -name '*.in' -exec rm -rf {} +
         mkdir models
-        mv ../vocab/*.gguf models/
+        mv ../vocab/* models/
         rmdir ../vocab
         for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan \
             webgpu zdnn zendnn; do
@@ -159,6 +165,13 @@ install_wheel() {
 }
 
 env_for_tests() {
+    local f
+    for f in "$DEV"/llama.cpp/models/*.gguf.xz; do
+        if [ -f "$f" ] && [ ! -f "${f%.xz}" ]; then
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+                "$f" "${f%.xz}"
+        fi
+    done
     export PYTHONPATH=$FT_SITE PYTHONUNBUFFERED=1
     export FREETOKEN_LLAMA_SRC=$DEV/llama.cpp
 }
@@ -167,8 +180,11 @@ run_tests() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
+    # Every test file that marks a test `gpu` (the rest would only be collected and skipped).
+    local files
+    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
     python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$OUT/test-junit.xml" \
-        tests/test_gpu*.py tests/test_bench_bw.py 2>&1 | tee "$OUT/test.log"
+        "${files[@]}" 2>&1 | tee "$OUT/test.log"
 }
 
 bench() {
@@ -246,13 +262,23 @@ bench_hybrid() {
 }
 
 # Concurrent streams: freetoken serve --moe-strategy hybrid at a 25% cache against
-# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM).
+# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM), each
+# server started once; FT_STREAMS (4,16,32) concurrent decode streams and FT_PROMPT_STREAMS
+# (4) prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
+# median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
+# beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
+# bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     bench_model
+    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
+        python3 -m freetoken bench-bw -m "$BENCH_MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw.md"
+    fi
     python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
-        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16}" -n 64 \
-        -t "$(nproc)" "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
+        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
+        --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
+        --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888} -b 2048 ${FT_STREAMS_ARGS:-}" \
         "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
         --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
 }

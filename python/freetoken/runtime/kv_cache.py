@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import torch
 
 from freetoken.errors import InvalidInputError
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "PerLayer"]
+
+#: A size that is the same for every layer, or one per layer.
+PerLayer: TypeAlias = int | Sequence[int]
+
+
+def _of(size: PerLayer, i: int) -> int:
+    return size if isinstance(size, int) else size[i]
 
 
 class KVCache:
@@ -33,9 +41,9 @@ class KVCache:
         self,
         n_layers: int,
         n_ctx: int,
-        n_kv_heads: int,
-        head_dim_k: int,
-        head_dim_v: int,
+        n_kv_heads: PerLayer,
+        head_dim_k: PerLayer,
+        head_dim_v: PerLayer,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         v_transposed: bool = False,
@@ -55,10 +63,11 @@ class KVCache:
         #: rings hold positions from this minus their size on.
         self._high = 0
         self.k, self.v = [], []
-        for r in self.ring:
+        for i, r in enumerate(self.ring):
             n = 2 * r or n_ctx
-            self.k.append(torch.zeros(n, n_kv_heads, head_dim_k, dtype=dtype, device=device))
-            v_shape = (n_kv_heads, head_dim_v, n) if v_transposed else (n, n_kv_heads, head_dim_v)
+            heads, dk, dv = _of(n_kv_heads, i), _of(head_dim_k, i), _of(head_dim_v, i)
+            self.k.append(torch.zeros(n, heads, dk, dtype=dtype, device=device))
+            v_shape = (heads, dv, n) if v_transposed else (n, heads, dv)
             self.v.append(torch.zeros(v_shape, dtype=dtype, device=device))
         self.length = 0
 
