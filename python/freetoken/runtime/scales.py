@@ -62,6 +62,6 @@ def expert_scales(
         )
     up = weight_scale(gguf, p + "ffn_up_exps", n_experts)
     down = weight_scale(gguf, p + "ffn_down_exps", n_experts)
-    if up is None and down is None:
-        return None
-    return (up if up is not None else 1.0) * (down if down is not None else 1.0)
+    if up is None or down is None:
+        return down if up is None else up
+    return up * down
