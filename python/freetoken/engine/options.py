@@ -283,12 +283,6 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
     """Places ``model`` per ``opts`` (nothing to do on the CPU); returns the placement."""
     if not use_gpu(opts):
         return None
-    refusal = getattr(model, "gpu_unsupported", None)
-    if refusal and opts.device == "auto":
-        # --device auto picks the CPU for a model no GPU placement takes; --device cuda
-        # gets place_on_gpu's error.
-        _log.warning("%s, running on the CPU", refusal)
-        return None
     from freetoken.engine.placement import place_on_gpu
 
     return place_on_gpu(

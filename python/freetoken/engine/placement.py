@@ -245,9 +245,6 @@ def place_on_gpu(
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
         raise InvalidInputError(f"dense weights `{dense}`: choose one of {DENSE_MODES}")
-    refusal = getattr(model, "gpu_unsupported", None)
-    if refusal:
-        raise UnsupportedError(f"--moe-strategy {strategy}: {refusal} (use --device cpu)")
     status = gpu.status()
     if not (status.available and torch.cuda.is_available()):
         raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")
@@ -273,9 +270,10 @@ def place_on_gpu(
     # is left for the experts.
     mover = _Mover(dev, dense)
     model.blocks = mover(model.blocks)
-    model.output_norm = mover(model.output_norm)
-    if model.rope_factors is not None:
-        model.rope_factors = mover(model.rope_factors)
+    # The model's own tensors (norm, RoPE factors and masks) as they are.
+    for name, val in list(vars(model).items()):
+        if isinstance(val, torch.Tensor):
+            setattr(model, name, mover(val))
     model.output = mover(model.output)
     # A family's own parts beyond the Transformer's (Gemma 4's per-layer inputs).
     for name in getattr(model, "gpu_parts", ()):

@@ -123,7 +123,7 @@ def causal_conv(
     k = weight.shape[1]
     xs = torch.cat([state, x])
     windows = xs.unfold(0, k, 1)  # [T, C, K]
-    return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :].clone()
+    return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :]
 
 
 def delta_rule_step(

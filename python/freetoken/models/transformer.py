@@ -536,7 +536,7 @@ class Transformer:
     ) -> torch.Tensor:
         """Grouped-query attention of layer ``i``, before the output projection."""
         cfg, feat, eps = self.cfg, self.feat, self.cfg.norm_eps
-        t, own_kv = h.shape[0], blk.wk is not None
+        t = h.shape[0]
         k = v = None
         if blk.wk is not None:
             projs = (blk.wq, blk.wk) if blk.wv is None else (blk.wq, blk.wk, blk.wv)
@@ -571,21 +571,37 @@ class Transformer:
         if self.attn_temp is not None:
             q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
-        src = blk.kv_source
+        return self._attend(i, q, k, v, step, window, blk.sinks, blk.kv_source)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        step: Step,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+        source: int | None = None,
+    ) -> torch.Tensor:
+        """Each sequence's rows of ``q [T, heads, dims]`` and, when the layer has its own,
+        ``k, v`` (after RoPE): their keys and values stored in cache layer ``layer`` (or,
+        without ``k, v``, those of layer ``source`` whose cache this one shares, from this
+        step), their queries attending over them; ``[T, heads * dims_v]``."""
+        src = layer if source is None else source
         outs, row = [], 0
         for s, sp in enumerate(step.spans):
             n = sp.n
-            if own_kv:
-                assert k is not None and v is not None
-                k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
-                if cfg.shared_kv_layers:
-                    step.kv[(s, i)] = (k_all, v_all)
+            if k is not None and v is not None:
+                k_all, v_all = sp.store(layer, k[row : row + n], v[row : row + n])
+                if self.cfg.shared_kv_layers:
+                    step.kv[(s, layer)] = (k_all, v_all)
             else:
                 k_all, v_all = step.kv[(s, src)]
-            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, blk.sinks):
+            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, sinks):
                 # A decode step: one kernel instead of a scale, a mask and two products.
                 out = gpu.attn_decode(
-                    q[row], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                    q[row], k_all, v_all, sp.start, self.attn_scale, window, sinks
                 )
             else:
                 out = attention(
@@ -595,7 +611,7 @@ class Transformer:
                     sp.start,
                     self.attn_scale,
                     window,
-                    blk.sinks,
+                    sinks,
                     step.masks,
                     sp.first_key(src),
                 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 import torch
@@ -134,6 +134,12 @@ class KVCache:
 
     def _first(self, ring: int, start: int) -> int:
         return max(0, start - (ring - self.max_step)) if ring else 0
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A function that puts back what running a step changes besides the positions it
+        writes (a CUDA graph's capture runs its step for real before recording it). Nothing
+        for keys and values: the replay rewrites the same positions."""
+        return lambda: None
 
     def commit(self, n_new: int) -> None:
         """Marks ``n_new`` positions as filled, after every layer stored them."""

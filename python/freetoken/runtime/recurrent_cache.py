@@ -6,11 +6,14 @@ values can. So the cache keeps snapshots of the states where recent multi-token 
 chunks) ended, and :meth:`HybridCache.truncate` restores the latest snapshot at or before the
 asked length: the positions after it run again (none saved: from the start). Decode steps
 (one token each) take no snapshot: the next turn of a chat continues from the current state,
-which is always valid at :attr:`length`."""
+which is always valid at :attr:`length`.
+
+The state tensors are updated in place, never replaced: a captured decode step (a CUDA graph)
+reads and writes them at the addresses it was captured on."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,8 +39,17 @@ class HybridCache(KVCache):
         state_shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         device: torch.device | str = "cpu",
         max_snapshots: int = MAX_SNAPSHOTS,
+        v_transposed: bool = False,
     ) -> None:
-        super().__init__(n_attn_layers, n_ctx, n_kv_heads, head_dim_k, head_dim_v, device=device)
+        super().__init__(
+            n_attn_layers,
+            n_ctx,
+            n_kv_heads,
+            head_dim_k,
+            head_dim_v,
+            device=device,
+            v_transposed=v_transposed,
+        )
         self.conv = [torch.zeros(c, device=device) for c, _ in state_shapes]
         self.ssm = [torch.zeros(s, device=device) for _, s in state_shapes]
         self.max_snapshots = max_snapshots
@@ -45,8 +57,29 @@ class HybridCache(KVCache):
         self._snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Replaces recurrent layer ``layer``'s states (after a step ran it)."""
-        self.conv[layer], self.ssm[layer] = conv, ssm
+        """Writes recurrent layer ``layer``'s new states (after a step ran it) in place."""
+        self.conv[layer].copy_(conv)
+        self.ssm[layer].copy_(ssm)
+
+    def _load(
+        self, conv: Sequence[torch.Tensor] | None, ssm: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Copies saved states in place (None: zeros, the empty state). In inference mode:
+        the states may be inference tensors."""
+        with torch.inference_mode():
+            for i, (c, s) in enumerate(zip(self.conv, self.ssm, strict=True)):
+                if conv is None or ssm is None:
+                    c.zero_()
+                    s.zero_()
+                else:
+                    c.copy_(conv[i])
+                    s.copy_(ssm[i])
+
+    def checkpoint(self) -> Callable[[], None]:
+        """As :meth:`KVCache.checkpoint`: the recurrent states, which a step advances."""
+        conv = [c.clone() for c in self.conv]
+        ssm = [s.clone() for s in self.ssm]
+        return lambda: self._load(conv, ssm)
 
     def commit(self, n_new: int) -> None:
         """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states."""
@@ -67,14 +100,7 @@ class HybridCache(KVCache):
         length = min(self.length, max(0, length))
         if length < self.length:
             kept = max((n for n in self._snapshots if n <= length), default=0)
-            if kept:
-                conv, ssm = self._snapshots[kept]
-                self.conv = [c.clone() for c in conv]
-                self.ssm = [s.clone() for s in ssm]
-            else:
-                # New tensors: the old ones may be inference tensors, not writable here.
-                self.conv = [torch.zeros_like(c) for c in self.conv]
-                self.ssm = [torch.zeros_like(s) for s in self.ssm]
+            self._load(*(self._snapshots[kept] if kept else (None, None)))
             for n in [n for n in self._snapshots if n > kept]:
                 del self._snapshots[n]
             length = kept
