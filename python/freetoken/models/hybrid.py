@@ -159,6 +159,7 @@ class HybridTransformer(Transformer):
             raise GGUFError(f"metadata `{arch}.nextn_predict_layers` is {nextn!r}")
         n_all = cfg.n_layers
         cfg = replace(cfg, n_layers=n_all - nextn, swa_layers=cfg.swa_layers[: n_all - nextn])
+        self.n_nextn = nextn
         self.cfg = cfg
         self.feat = feat
         self.moe = None
@@ -174,6 +175,7 @@ class HybridTransformer(Transformer):
         self.recurrent = recurrent_layers(meta, arch, cfg.n_layers)
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
         make_ffn = make_ffn or dense_ffn(feat)
+        self.make_ffn = make_ffn
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.blocks = []
         n_rec = n_attn = 0
@@ -199,6 +201,12 @@ class HybridTransformer(Transformer):
             for name in gguf.tensors
             if name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
         ]
+
+    def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
+        """Layer ``i`` past the trunk (a multi-token-prediction layer): a gated
+        full-attention block with the family's feed-forward, its keys and values in layer 0
+        of its own cache."""
+        return HybridBlock(gguf, self.cfg, i, self.make_ffn, None, False, 0)
 
     def _kv_shape(self) -> tuple[int, int, int]:
         c = self.cfg
@@ -245,12 +253,13 @@ class HybridTransformer(Transformer):
         eps = self.cfg.norm_eps
         h = rms_norm(x, blk.attn_norm, eps)
         if blk.delta is not None:
-            spans = []
+            spans, keep = [], []
             for sp in step.spans:
                 cache = sp.cache
                 assert isinstance(cache, HybridCache)
                 spans.append((sp.n, cache.conv[blk.index], cache.ssm[blk.index]))
-            a, states = blk.delta(h, spans, eps)
+                keep.append(cache.keep_steps)
+            a, states = blk.delta(h, spans, eps, keep)
             for sp, (conv, ssm) in zip(step.spans, states, strict=True):
                 assert isinstance(sp.cache, HybridCache)
                 sp.cache.set_state(blk.index, conv, ssm)

@@ -265,7 +265,9 @@ class Transformer:
         meta = gguf.metadata
         # Trailing multi-token-prediction blocks (GLM-4.5, DeepSeek-3) are not decoder layers.
         nextn = _meta_int(meta, f"{cfg.arch}.nextn_predict_layers", 0)
-        if 0 < nextn < cfg.n_layers:
+        #: The multi-token-prediction layers after the trunk (``models/mtp.py`` runs them).
+        self.n_nextn = nextn if 0 < nextn < cfg.n_layers else 0
+        if self.n_nextn:
             n = cfg.n_layers - nextn
             cfg = replace(cfg, n_layers=n, swa_layers=cfg.swa_layers[:n])
         self.cfg = cfg
@@ -283,6 +285,7 @@ class Transformer:
             mscale *= 1.0 + 0.1 * self.rope.yarn_log_mul * math.log(1.0 / self.rope.freq_scale)
             self.attn_scale = mscale * mscale / math.sqrt(self.mla.nope + self.mla.rope)
         make_ffn = make_ffn or dense_ffn(feat)
+        self.make_ffn = make_ffn
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.blocks = []
         swa_base = meta.get(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base)
@@ -317,6 +320,14 @@ class Transformer:
     #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
     #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
     step_hook: StepHook | None = None
+
+    def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
+        """Layer ``i`` past the trunk (a multi-token-prediction layer) as a full-attention
+        block of this family, with its feed-forward (``models/mtp.py``)."""
+        cfg = replace(self.cfg, swa_layers=(*self.cfg.swa_layers, *[False] * (i + 1)))
+        blk = Block(gguf, cfg, self.feat, i, self.make_ffn, self.mla)
+        blk.rope_scale = self.rope.freq_scale
+        return blk
 
     def _kv_shape(self) -> tuple[int, int, int]:
         """Per position and layer: (heads, key dims, value dims) of the cache."""
@@ -357,11 +368,15 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_batch(
-        self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
+        self,
+        seqs: list[tuple[list[int], KVCache]],
+        all_logits: bool = False,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Runs several sequences in one pass (continuous batching): the weight products see
         all their rows together, attention runs per sequence on its own cache. Returns each
-        sequence's logits as :meth:`forward` does."""
+        sequence's logits as :meth:`forward` does; a ``hidden`` list gets each sequence's
+        final hidden states ``[n, hidden]`` (after the output norm, on the model's device)."""
         spans = []
         for tokens, cache in seqs:
             if not tokens:
@@ -373,18 +388,24 @@ class Transformer:
         if hook is not None:
             hook.begin(len(flat))
         try:
-            return self._logits(ids, flat, spans, all_logits)
+            return self._logits(ids, flat, spans, all_logits, hidden)
         finally:
             if hook is not None:
                 hook.end()
 
     def _logits(
-        self, ids: torch.Tensor, flat: list[int], spans: list[Span], all_logits: bool
+        self,
+        ids: torch.Tensor,
+        flat: list[int],
+        spans: list[Span],
+        all_logits: bool,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
         caches = [sp.cache for sp in spans]
         if (
             self.graphs is not None
+            and hidden is None
             and len(flat) == len(spans) <= MAX_BATCH
             and len({id(c) for c in caches}) == len(caches)
         ):
@@ -397,7 +418,11 @@ class Transformer:
         ends = None
         if not all_logits:
             ends = (torch.tensor([0] + [sp.n for sp in spans]).cumsum(0)[1:] - 1).to(dev)
-        logits = self.run(ids, Step(pos, spans), ends).cpu()
+        step = Step(pos, spans, keep_hidden=hidden is not None)
+        logits = self.run(ids, step, ends).cpu()
+        if hidden is not None:
+            assert step.hidden is not None
+            hidden.extend(step.hidden.split([sp.n for sp in spans]))
         for sp in spans:
             sp.cache.commit(sp.n)
         if not all_logits:
@@ -415,9 +440,13 @@ class Transformer:
             x = x * math.sqrt(cfg.hidden)
         for i, blk in enumerate(self.blocks):
             x = self._layer(i, blk, x, step)
-        if rows is not None:
+        if rows is not None and not step.keep_hidden:
             x = x[rows]
-        logits = self.output(rms_norm(x, self.output_norm, cfg.norm_eps))
+        h = rms_norm(x, self.output_norm, cfg.norm_eps)
+        if step.keep_hidden:
+            step.hidden = h
+            h = h if rows is None else h[rows]
+        logits = self.output(h)
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -6,7 +6,12 @@ values can. So the cache keeps snapshots of the states where recent multi-token 
 chunks) ended, and :meth:`HybridCache.truncate` restores the latest snapshot at or before the
 asked length: the positions after it run again (none saved: from the start). Decode steps
 (one token each) take no snapshot: the next turn of a chat continues from the current state,
-which is always valid at :attr:`length`."""
+which is always valid at :attr:`length`.
+
+A verify step of speculative decoding sets :attr:`HybridCache.keep_steps`: its layers then
+hand over the states after each of the step's tokens (checkpoints, no extra compute: the
+token-by-token recurrence makes them anyway), and :meth:`HybridCache.rewind` restores the
+one at the last accepted token."""
 
 from __future__ import annotations
 
@@ -43,14 +48,29 @@ class HybridCache(KVCache):
         self.max_snapshots = max_snapshots
         #: Length -> copies of (conv, ssm) at that length, oldest first.
         self._snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        #: Steps hand over per-token states (``[T, ...]`` stacks) for :meth:`rewind`.
+        self.keep_steps = False
+        #: Per recurrent layer, the last step's per-token (conv, ssm) states.
+        self._steps: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.conv)
+        self._step_from = 0
 
     def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Replaces recurrent layer ``layer``'s states (after a step ran it)."""
+        """Replaces recurrent layer ``layer``'s states (after a step ran it); with
+        :attr:`keep_steps` they are the stacks of the states after each of the step's
+        tokens."""
+        if self.keep_steps:
+            self._steps[layer] = (conv, ssm)
+            conv, ssm = conv[-1], ssm[-1]
         self.conv[layer], self.ssm[layer] = conv, ssm
 
     def commit(self, n_new: int) -> None:
-        """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states."""
+        """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states
+        (not a verify step's: :meth:`rewind` has its checkpoints)."""
+        self._step_from = self.length
         super().commit(n_new)
+        if self.keep_steps:
+            return
+        self._steps = [None] * len(self.conv)
         if n_new > 1 and self.max_snapshots > 0:
             self._snapshots.pop(self.length, None)
             self._snapshots[self.length] = (
@@ -79,3 +99,19 @@ class HybridCache(KVCache):
                 del self._snapshots[n]
             length = kept
         return super().truncate(length)
+
+    def rewind(self, length: int) -> None:
+        """As :meth:`KVCache.rewind`; inside the last step run with :attr:`keep_steps` the
+        recurrent states come from its checkpoint at ``length``."""
+        i = length - self._step_from - 1
+        steps = self._steps
+        if length < self.length and 0 <= i and all(s is not None for s in steps):
+            for layer, st in enumerate(steps):
+                assert st is not None
+                self.conv[layer], self.ssm[layer] = st[0][i], st[1][i]
+            for n in [n for n in self._snapshots if n > length]:
+                del self._snapshots[n]
+            self._steps = [None] * len(self.conv)
+            KVCache.truncate(self, length)
+            return
+        super().rewind(length)

@@ -255,6 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="every N-th layer full attention, the others linear (default 4)",
     )
+    parser.add_argument(
+        "--nextn-layers",
+        type=int,
+        metavar="N",
+        help="multi-token-prediction (nextn) layers after the trunk (qwen35, qwen35moe, "
+        "qwen3next, glm4moe; default 0)",
+    )
     big = parser.add_argument_group("big and skewed MoE models (see below)")
     big.add_argument(
         "--routing",

@@ -1,0 +1,414 @@
+"""Speculative decoding: the flags (llama.cpp's names), the drafters and the verify rule.
+
+Each step drafts up to ``--spec-draft-n-max`` tokens after the token just sampled, runs that
+token and the draft through the target model as one forward step of ``N + 1`` tokens, keeps
+the drafts the acceptance rule takes (runtime/speculative.py) and the target's token after
+them, and cuts the caches back to the tokens kept (``KVCache.rewind``: the KV cache, and the
+Gated DeltaNet states from the step's checkpoints).
+
+Drafters (``--spec-type``):
+
+- ``ngram-simple``: the tokens that followed the latest earlier occurrence of the context's
+  last ``--spec-ngram-simple-size-n`` tokens (no model);
+- ``draft-simple``: a small model with the same vocabulary (``--spec-draft-model``), greedy,
+  with its own cache kept in step with the context;
+- ``draft-mtp``: the target's own multi-token-prediction layer (models/mtp.py), fed the
+  target's hidden states of every position it runs.
+
+A drafter stops early where its top token's probability falls below ``--spec-draft-p-min``,
+and a draft shorter than ``--spec-draft-n-min`` is dropped. ``--spec-synth-len`` /
+``--spec-synth-rates`` (benchmarks only, as llama.cpp's) keep each draft position with a set
+probability whatever the tokens, so the output is not the model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from freetoken.errors import InvalidInputError
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.sampler import Sampler
+from freetoken.runtime.speculative import ngram_draft, synth_conditional, synth_rates
+
+if TYPE_CHECKING:
+    from freetoken.gguf import GGUFFile
+    from freetoken.models.transformer import Transformer
+
+__all__ = [
+    "MAX_DRAFT",
+    "SPEC_TYPES",
+    "Drafter",
+    "SpecOptions",
+    "add_arguments",
+    "from_args",
+    "make_drafter",
+    "verify_tokens",
+]
+
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
+#: The most tokens one step drafts.
+MAX_DRAFT = 32
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculative decoding settings (llama.cpp's flags of the same names; see the module
+    docstring). ``spec_type`` ``none`` turns it off; a ``draft_model`` alone means
+    ``draft-simple``."""
+
+    spec_type: str = "none"
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    draft_model: str | None = None
+    synth_len: float | None = None
+    synth_rates: tuple[float, ...] = ()
+    ngram_size_n: int = 12
+    ngram_size_m: int = 48
+
+    def __post_init__(self) -> None:
+        if self.spec_type not in SPEC_TYPES:
+            raise InvalidInputError(
+                f"--spec-type {self.spec_type}: choose one of {', '.join(SPEC_TYPES)}"
+            )
+        if self.draft_model is not None and self.spec_type == "none":
+            object.__setattr__(self, "spec_type", "draft-simple")
+        if self.spec_type == "draft-simple" and not self.draft_model:
+            raise InvalidInputError("--spec-type draft-simple needs --spec-draft-model FILE")
+        if self.draft_model and self.spec_type != "draft-simple":
+            raise InvalidInputError(
+                f"--spec-draft-model is for --spec-type draft-simple, not {self.spec_type}"
+            )
+        for name, value in (("n-max", self.n_max), ("n-min", self.n_min)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidInputError(f"--spec-draft-{name} must be an integer, got {value!r}")
+        if not 1 <= self.n_max <= MAX_DRAFT:
+            raise InvalidInputError(
+                f"--spec-draft-n-max must be within 1..{MAX_DRAFT}, got {self.n_max}"
+            )
+        if not 0 <= self.n_min <= self.n_max:
+            raise InvalidInputError(
+                f"--spec-draft-n-min must be within 0..{self.n_max} (--spec-draft-n-max), "
+                f"got {self.n_min}"
+            )
+        if not (math.isfinite(self.p_min) and 0.0 <= self.p_min <= 1.0):
+            raise InvalidInputError(f"--spec-draft-p-min must be within [0, 1], got {self.p_min}")
+        for name, value in (("n", self.ngram_size_n), ("m", self.ngram_size_m)):
+            if not 1 <= value <= 1024:
+                raise InvalidInputError(
+                    f"--spec-ngram-simple-size-{name} must be within 1..1024, got {value}"
+                )
+        if (self.synth_len is not None or self.synth_rates) and not self.enabled:
+            raise InvalidInputError("--spec-synth-len/--spec-synth-rates need a --spec-type")
+        synth_rates(self.synth_len, self.synth_rates, self.n_max)  # checks them
+
+    @property
+    def enabled(self) -> bool:
+        """Whether speculative decoding is on."""
+        return self.spec_type != "none"
+
+    @property
+    def synth_probs(self) -> list[float]:
+        """Per draft position, the probability of keeping it given the ones before were kept
+        (empty: the real acceptance rule)."""
+        return synth_conditional(synth_rates(self.synth_len, self.synth_rates, self.n_max))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The speculative decoding flags (llama.cpp's names)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec-type", choices=SPEC_TYPES, default="none", help="what drafts tokens")
+    g.add_argument("--spec-draft-n-max", type=int, default=3, help="tokens drafted per step")
+    g.add_argument(
+        "--spec-draft-n-min", type=int, default=0, help="a shorter draft is not verified"
+    )
+    g.add_argument(
+        "--spec-draft-p-min",
+        type=float,
+        default=0.0,
+        help="stop drafting below this probability of the draft's top token",
+    )
+    g.add_argument(
+        "-md", "--spec-draft-model", default=None, metavar="FILE", help="draft-simple's model"
+    )
+    g.add_argument("--spec-ngram-simple-size-n", type=int, default=12, help="n-gram looked up")
+    g.add_argument("--spec-ngram-simple-size-m", type=int, default=48, help="tokens copied")
+    g.add_argument(
+        "--spec-synth-len",
+        type=float,
+        default=None,
+        metavar="L",
+        help="benchmarks: mean synthetic acceptance length, the target's token included",
+    )
+    g.add_argument(
+        "--spec-synth-rates",
+        default=None,
+        metavar="P0,P1,...",
+        help="benchmarks: per-position synthetic acceptance probabilities (not increasing)",
+    )
+
+
+def from_args(args: argparse.Namespace) -> SpecOptions:
+    """The options of parsed :func:`add_arguments` flags."""
+    rates: tuple[float, ...] = ()
+    if args.spec_synth_rates:
+        try:
+            rates = tuple(float(r) for r in args.spec_synth_rates.split(","))
+        except ValueError:
+            raise InvalidInputError(
+                f"--spec-synth-rates {args.spec_synth_rates!r}: expected numbers such as "
+                "0.8,0.6,0.4"
+            ) from None
+    return SpecOptions(
+        spec_type=args.spec_type,
+        n_max=args.spec_draft_n_max,
+        n_min=args.spec_draft_n_min,
+        p_min=args.spec_draft_p_min,
+        draft_model=args.spec_draft_model,
+        synth_len=args.spec_synth_len,
+        synth_rates=rates,
+        ngram_size_n=args.spec_ngram_simple_size_n,
+        ngram_size_m=args.spec_ngram_simple_size_m,
+    )
+
+
+class Drafter(Protocol):
+    """Drafts for one sequence. ``observe`` sees every step the target runs (its tokens from
+    position ``start``, and with ``needs_hidden`` the final hidden states), ``rewind`` every
+    cut of the target's cache, and ``draft`` proposes tokens after ``context`` (which ends
+    with the sampled token the target has not run yet)."""
+
+    needs_hidden: bool
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None: ...
+
+    def rewind(self, length: int) -> None: ...
+
+    def draft(self, context: Sequence[int], n_max: int) -> list[int]: ...
+
+
+def _trim(draft: list[int], opts: SpecOptions) -> list[int]:
+    return draft if len(draft) >= max(opts.n_min, 1) else []
+
+
+class NgramDrafter:
+    """``ngram-simple``: drafts from the context itself."""
+
+    needs_hidden = False
+
+    def __init__(self, opts: SpecOptions) -> None:
+        self.opts = opts
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
+        """Nothing to keep: the context is all."""
+
+    def rewind(self, length: int) -> None:
+        """Nothing to cut."""
+
+    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+        """The tokens that followed the last n-gram's latest earlier occurrence."""
+        o = self.opts
+        return _trim(ngram_draft(context, o.ngram_size_n, o.ngram_size_m)[:n_max], o)
+
+
+def _greedy_steps(
+    step: Callable[[int], torch.Tensor], first: int, n_max: int, p_min: float
+) -> list[int]:
+    """Up to ``n_max`` argmax tokens, each fed back through ``step`` (token -> logits); stops
+    where the top token's probability is below ``p_min``."""
+    out: list[int] = []
+    tok = first
+    while len(out) < n_max:
+        logits = step(tok)
+        tok = int(logits.argmax())
+        if p_min > 0.0 and float(torch.softmax(logits.double(), -1)[tok]) < p_min:
+            break
+        out.append(tok)
+    return out
+
+
+class ModelDrafter:
+    """``draft-simple``: a small model with the target's vocabulary and its own cache, which
+    holds the context up to the token before the sampled one between steps."""
+
+    needs_hidden = False
+
+    def __init__(self, model: Transformer, n_ctx: int, opts: SpecOptions) -> None:
+        self.model = model
+        self.opts = opts
+        self.cache = model.new_cache(n_ctx)
+        self.tokens: list[int] = []
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
+        """The draft model catches up in :meth:`draft`."""
+
+    def rewind(self, length: int) -> None:
+        """The cache follows the context in :meth:`draft`."""
+
+    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+        """Greedy tokens of the draft model after ``context``."""
+        common = 0
+        for a, b in zip(self.tokens, context[:-1], strict=False):
+            if a != b:
+                break
+            common += 1
+        kept = self.cache.truncate(common)
+        rest = list(context[kept:-1])
+        for i in range(0, len(rest), 512):
+            self.model.forward(rest[i : i + 512], self.cache)
+        room = self.cache.n_ctx - self.cache.length
+        fed: list[int] = []
+
+        def step(tok: int) -> torch.Tensor:
+            fed.append(tok)
+            return self.model.forward([tok], self.cache)
+
+        out = _greedy_steps(step, context[-1], min(n_max, room), self.opts.p_min)
+        self.tokens = [*context[:-1], *fed]
+        return _trim(out, self.opts)
+
+
+class MtpDrafter:
+    """``draft-mtp``: the target's multi-token-prediction head. Its cache holds, per position
+    ``p`` the target has run, the pair (``h_{p-1}``, token ``p``); a draft runs the head from
+    the sampled token on and is cut away again."""
+
+    needs_hidden = True
+
+    def __init__(self, model: Transformer, gguf: GGUFFile, n_ctx: int, opts: SpecOptions) -> None:
+        from freetoken.models.mtp import MtpHead
+
+        self.head = MtpHead(model, gguf)
+        self.opts = opts
+        self.cache = self.head.new_cache(n_ctx)
+        #: The target's final hidden state per position.
+        self.hidden = torch.zeros(n_ctx, model.cfg.hidden, device=model.device)
+
+    def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
+        """Runs the head on the target's step: each token with the hidden state before it."""
+        assert hidden is not None
+        self.cache.truncate(start)
+        before = self.hidden[start - 1 : start] if start else torch.zeros_like(self.hidden[:1])
+        self.head.forward(tokens, torch.cat([before, hidden[:-1]]), self.cache)
+        self.hidden[start : start + len(tokens)] = hidden
+
+    def rewind(self, length: int) -> None:
+        """Forgets the head's positions from ``length`` on."""
+        self.cache.truncate(length)
+
+    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+        """Greedy tokens of the head after ``context``."""
+        pos0 = len(context) - 1
+        if self.cache.length != pos0:
+            raise InvalidInputError(
+                f"draft-mtp: the head holds {self.cache.length} positions, the context "
+                f"{pos0} (a step ran without it)"
+            )
+        h = [self.hidden[pos0 - 1 : pos0] if pos0 else torch.zeros_like(self.hidden[:1])]
+
+        def step(tok: int) -> torch.Tensor:
+            logits, out = self.head.forward([tok], h[0], self.cache)
+            h[0] = out
+            return logits[0]
+
+        room = self.cache.n_ctx - pos0
+        out = _greedy_steps(step, context[-1], min(n_max, room), self.opts.p_min)
+        self.cache.truncate(pos0)
+        return _trim(out, self.opts)
+
+
+def _vocab(gguf: GGUFFile) -> list[str] | None:
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    return tokens if isinstance(tokens, list) else None
+
+
+def make_drafter(
+    opts: SpecOptions,
+    model: Transformer,
+    gguf: GGUFFile,
+    n_ctx: int,
+    draft: tuple[Transformer, GGUFFile] | None = None,
+) -> Drafter:
+    """The drafter of ``opts`` for one sequence of the target ``model`` (``gguf``); ``draft``
+    is the loaded draft model of ``draft-simple``."""
+    if opts.spec_type == "ngram-simple":
+        return NgramDrafter(opts)
+    if opts.spec_type == "draft-mtp":
+        return MtpDrafter(model, gguf, n_ctx, opts)
+    assert opts.spec_type == "draft-simple" and draft is not None
+    return ModelDrafter(draft[0], n_ctx, opts)
+
+
+def check_draft_vocab(target: GGUFFile, draft: GGUFFile) -> None:
+    """InvalidInputError unless the draft model's vocabulary is the target's (the same
+    tokens, ``tokenizer.ggml.tokens``, in the same order)."""
+    a, b = _vocab(target), _vocab(draft)
+    if a is None or b is None:
+        raise InvalidInputError(
+            f"--spec-draft-model {draft.path}: a vocabulary (`tokenizer.ggml.tokens`) is missing"
+        )
+    if len(a) != len(b):
+        raise InvalidInputError(
+            f"--spec-draft-model {draft.path}: its vocabulary has {len(b)} tokens, the "
+            f"model's {len(a)} (`tokenizer.ggml.tokens`): the draft model needs the same one"
+        )
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            raise InvalidInputError(
+                f"--spec-draft-model {draft.path}: token {i} is {y!r}, the model's is {x!r} "
+                "(`tokenizer.ggml.tokens`): the draft model needs the same vocabulary"
+            )
+
+
+class SynthAcceptance:
+    """``--spec-synth-*``: keeps draft position ``i`` with probability ``probs[i]`` given
+    the positions before were kept, whatever the tokens (llama.cpp's rule; a drafted
+    end-of-generation token is never kept)."""
+
+    def __init__(self, probs: list[float], seed: int) -> None:
+        self.probs = probs
+        self.rng = random.Random(seed)
+
+    def keep(self, i: int) -> bool:
+        """Whether draft position ``i`` is kept."""
+        return self.rng.random() < self.probs[i]
+
+
+def verify_tokens(
+    sampler: Sampler,
+    rows: Sequence[torch.Tensor],
+    history: Sequence[int],
+    draft: Sequence[int],
+    eog: Collection[int],
+    synth: SynthAcceptance | None = None,
+) -> list[int]:
+    """The tokens a verify step gives: the drafts kept, then the target's token after them
+    (``rows[i]``: the target's logits after ``history`` and ``draft[:i]``). Stops at an
+    end-of-generation token."""
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        seen = [*history, *out]
+        if synth is not None:
+            kept = synth.keep(i) and d not in eog
+            tok = d if kept else sampler.sample(rows[i], seen)
+        else:
+            tok = sampler.verify(rows[i], seen, d)
+            kept = tok == d
+        out.append(tok)
+        if not kept or tok in eog:
+            return out
+    out.append(sampler.sample(rows[len(draft)], [*history, *out]))
+    return out
+
+
+def cut_cache(cache: KVCache, drafter: Drafter, length: int) -> None:
+    """Cuts the target's cache and the drafter back to ``length`` positions."""
+    cache.rewind(length)
+    drafter.rewind(length)
