@@ -18,11 +18,12 @@ import torch
 from freetoken import _core
 from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
+from freetoken.engine import spec_options
 from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.options import EngineOptions
+from freetoken.engine.spec_options import SpecOptions
 from freetoken.engine.speculative import (
     Drafter,
-    SpecOptions,
     SynthAcceptance,
     check_draft_vocab,
     cut_cache,
@@ -383,12 +384,15 @@ class LLM:
 
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
-    """The model of the common flags (``-m``, ``-c``, ``-t`` and the engine flags), loaded
-    with a progress bar; ``overrides`` replace LLM arguments (``n_ctx``, ``progress``...)."""
+    """The model of the common flags (``-m``, ``-c``, ``-t``, the engine flags and, where the
+    command has them, the speculative decoding flags), loaded with a progress bar;
+    ``overrides`` replace LLM arguments (``n_ctx``, ``progress``...)."""
     kwargs: dict[str, Any] = dict(
         n_ctx=args.ctx_size,
         n_threads=args.threads,
         progress=True,
         engine=engine_options.from_args(args),
     )
+    if hasattr(args, "spec_type"):
+        kwargs["spec"] = spec_options.from_args(args)
     return LLM(args.model, **(kwargs | overrides))

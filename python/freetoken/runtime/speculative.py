@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from freetoken.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SpecCounters",
@@ -53,6 +55,8 @@ def accept_draft(p: torch.Tensor, draft: int, q: torch.Tensor | None, gen: torch
     """The token at a draft position by the standard rule (module docstring): ``p`` the
     target's probabilities ``[vocab]`` (float64), ``q`` the draft's (None: one-hot at
     ``draft``). Returns ``draft`` when it is kept, else a token from the residual."""
+    import torch
+
     pd = float(p[draft])
     qd = 1.0 if q is None else float(q[draft])
     u = float(torch.rand((), generator=gen, dtype=torch.float64))
