@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Any
 
@@ -316,7 +316,8 @@ class LLM:
             tok = pending[-1]
             # Drafts past the last token asked for, or the context, are not worth a row.
             room = min(self.spec.n_max, max_tokens - n - 1, self.n_ctx - len(self._tokens) - 2)
-            draft = drafter.draft(history, room) if room > 0 else []
+            limits = replace(self.spec.limits, n_max=room)
+            draft = drafter.draft(history, limits) if room > 0 else []
             t2 = time.perf_counter()
             cache.keep_steps = bool(draft)
             try:

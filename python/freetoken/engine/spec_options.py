@@ -11,11 +11,22 @@ from dataclasses import dataclass
 from freetoken.errors import InvalidInputError
 from freetoken.runtime.speculative import synth_conditional, synth_rates
 
-__all__ = ["MAX_DRAFT", "SPEC_TYPES", "SpecOptions", "add_arguments", "from_args"]
+__all__ = ["MAX_DRAFT", "SPEC_TYPES", "DraftLimits", "SpecOptions", "add_arguments", "from_args"]
 
 SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
 #: The most tokens one step drafts.
 MAX_DRAFT = 32
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """How much one step drafts: at most ``n_max`` tokens, none unless ``n_min``, stopping
+    where the drafter's top token's probability is below ``p_min`` (checked by the caller:
+    :class:`SpecOptions` for the flags, the server for a request's fields)."""
+
+    n_max: int
+    n_min: int = 0
+    p_min: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,11 @@ class SpecOptions:
     def enabled(self) -> bool:
         """Whether speculative decoding is on."""
         return self.spec_type != "none"
+
+    @property
+    def limits(self) -> DraftLimits:
+        """The draft limits of the flags."""
+        return DraftLimits(self.n_max, self.n_min, self.p_min)
 
     @property
     def synth_probs(self) -> list[float]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from freetoken.engine.spec_options import SpecOptions
+from freetoken.engine.spec_options import DraftLimits, SpecOptions
 from freetoken.errors import InvalidInputError
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.sampler import Sampler
@@ -64,11 +64,11 @@ class Drafter(Protocol):
 
     def rewind(self, length: int) -> None: ...
 
-    def draft(self, context: Sequence[int], n_max: int) -> list[int]: ...
+    def draft(self, context: Sequence[int], limits: DraftLimits) -> list[int]: ...
 
 
-def _trim(draft: list[int], opts: SpecOptions) -> list[int]:
-    return draft if len(draft) >= max(opts.n_min, 1) else []
+def _trim(draft: list[int], limits: DraftLimits) -> list[int]:
+    return draft[: limits.n_max] if len(draft) >= max(limits.n_min, 1) else []
 
 
 class NgramDrafter:
@@ -85,10 +85,10 @@ class NgramDrafter:
     def rewind(self, length: int) -> None:
         """Nothing to cut."""
 
-    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+    def draft(self, context: Sequence[int], limits: DraftLimits) -> list[int]:
         """The tokens that followed the last n-gram's latest earlier occurrence."""
         o = self.opts
-        return _trim(ngram_draft(context, o.ngram_size_n, o.ngram_size_m)[:n_max], o)
+        return _trim(ngram_draft(context, o.ngram_size_n, o.ngram_size_m), limits)
 
 
 def _greedy_steps(
@@ -113,9 +113,8 @@ class ModelDrafter:
 
     needs_hidden = False
 
-    def __init__(self, model: Transformer, n_ctx: int, opts: SpecOptions) -> None:
+    def __init__(self, model: Transformer, n_ctx: int) -> None:
         self.model = model
-        self.opts = opts
         self.cache = model.new_cache(n_ctx)
         self.tokens: list[int] = []
 
@@ -125,7 +124,7 @@ class ModelDrafter:
     def rewind(self, length: int) -> None:
         """The cache follows the context in :meth:`draft`."""
 
-    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+    def draft(self, context: Sequence[int], limits: DraftLimits) -> list[int]:
         """Greedy tokens of the draft model after ``context``."""
         common = 0
         for a, b in zip(self.tokens, context[:-1], strict=False):
@@ -143,9 +142,9 @@ class ModelDrafter:
             fed.append(tok)
             return self.model.forward([tok], self.cache)
 
-        out = _greedy_steps(step, context[-1], min(n_max, room), self.opts.p_min)
+        out = _greedy_steps(step, context[-1], min(limits.n_max, room), limits.p_min)
         self.tokens = [*context[:-1], *fed]
-        return _trim(out, self.opts)
+        return _trim(out, limits)
 
 
 class MtpDrafter:
@@ -155,11 +154,10 @@ class MtpDrafter:
 
     needs_hidden = True
 
-    def __init__(self, model: Transformer, gguf: GGUFFile, n_ctx: int, opts: SpecOptions) -> None:
+    def __init__(self, model: Transformer, gguf: GGUFFile, n_ctx: int) -> None:
         from freetoken.models.mtp import MtpHead
 
         self.head = MtpHead(model, gguf)
-        self.opts = opts
         self.cache = self.head.new_cache(n_ctx)
         #: The target's final hidden state per position.
         self.hidden = torch.zeros(n_ctx, model.cfg.hidden, device=model.device)
@@ -176,7 +174,7 @@ class MtpDrafter:
         """Forgets the head's positions from ``length`` on."""
         self.cache.truncate(length)
 
-    def draft(self, context: Sequence[int], n_max: int) -> list[int]:
+    def draft(self, context: Sequence[int], limits: DraftLimits) -> list[int]:
         """Greedy tokens of the head after ``context``."""
         pos0 = len(context) - 1
         if self.cache.length != pos0:
@@ -192,9 +190,9 @@ class MtpDrafter:
             return logits[0]
 
         room = self.cache.n_ctx - pos0
-        out = _greedy_steps(step, context[-1], min(n_max, room), self.opts.p_min)
+        out = _greedy_steps(step, context[-1], min(limits.n_max, room), limits.p_min)
         self.cache.truncate(pos0)
-        return _trim(out, self.opts)
+        return _trim(out, limits)
 
 
 def _vocab(gguf: GGUFFile) -> list[str] | None:
@@ -214,9 +212,9 @@ def make_drafter(
     if opts.spec_type == "ngram-simple":
         return NgramDrafter(opts)
     if opts.spec_type == "draft-mtp":
-        return MtpDrafter(model, gguf, n_ctx, opts)
+        return MtpDrafter(model, gguf, n_ctx)
     assert opts.spec_type == "draft-simple" and draft is not None
-    return ModelDrafter(draft[0], n_ctx, opts)
+    return ModelDrafter(draft[0], n_ctx)
 
 
 def check_draft_vocab(target: GGUFFile, draft: GGUFFile) -> None:
@@ -256,7 +254,7 @@ class SynthAcceptance:
 
 def verify_tokens(
     sampler: Sampler,
-    rows: Sequence[torch.Tensor],
+    rows: torch.Tensor | Sequence[torch.Tensor],
     history: Sequence[int],
     draft: Sequence[int],
     eog: Collection[int],

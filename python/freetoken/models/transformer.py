@@ -5,7 +5,7 @@ sliding window, attention sinks, multi-head latent attention) and this module ru
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -370,12 +370,13 @@ class Transformer:
     def forward_batch(
         self,
         seqs: list[tuple[list[int], KVCache]],
-        all_logits: bool = False,
+        all_logits: bool | Sequence[bool] = False,
         hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Runs several sequences in one pass (continuous batching): the weight products see
         all their rows together, attention runs per sequence on its own cache. Returns each
-        sequence's logits as :meth:`forward` does; a ``hidden`` list gets each sequence's
+        sequence's logits as :meth:`forward` does (``all_logits`` may be given per
+        sequence: a verify step beside prompt chunks); a ``hidden`` list gets each sequence's
         final hidden states ``[n, hidden]`` (after the output norm, on the model's device)."""
         spans = []
         for tokens, cache in seqs:
@@ -398,10 +399,11 @@ class Transformer:
         ids: torch.Tensor,
         flat: list[int],
         spans: list[Span],
-        all_logits: bool,
+        all_logits: bool | Sequence[bool],
         hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
+        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
         caches = [sp.cache for sp in spans]
         if (
             self.graphs is not None
@@ -412,22 +414,26 @@ class Transformer:
             # One token per sequence: a captured decode step, unless the set is new.
             logits = self.graphs.step(flat, caches)
             if logits is not None:
-                return list(logits.cpu().unbind(0))
+                rows = logits.cpu().unbind(0)
+                return [r[None] if e else r for r, e in zip(rows, every, strict=True)]
         dev = self.device
         pos = torch.cat([torch.arange(int(sp.start), int(sp.start) + sp.n) for sp in spans]).to(dev)
-        ends = None
-        if not all_logits:
-            ends = (torch.tensor([0] + [sp.n for sp in spans]).cumsum(0)[1:] - 1).to(dev)
+        picked = None
+        if not all(every):
+            at, parts = 0, []
+            for sp, e in zip(spans, every, strict=True):
+                parts.append(torch.arange(at, at + sp.n) if e else torch.tensor([at + sp.n - 1]))
+                at += sp.n
+            picked = torch.cat(parts).to(dev)
         step = Step(pos, spans, keep_hidden=hidden is not None)
-        logits = self.run(ids, step, ends).cpu()
+        logits = self.run(ids, step, picked).cpu()
         if hidden is not None:
             assert step.hidden is not None
             hidden.extend(step.hidden.split([sp.n for sp in spans]))
         for sp in spans:
             sp.cache.commit(sp.n)
-        if not all_logits:
-            return list(logits.unbind(0))
-        return list(logits.split([sp.n for sp in spans]))
+        split = logits.split([sp.n if e else 1 for sp, e in zip(spans, every, strict=True)])
+        return [r if e else r[0] for r, e in zip(split, every, strict=True)]
 
     def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
         """The forward pass on tensors: token ids ``[T]`` (on the model's device) at

@@ -14,11 +14,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from freetoken.engine import options as engine_options
+from freetoken.engine import spec_options
 
 if TYPE_CHECKING:
+    from freetoken.engine.speculative import Drafter
     from freetoken.server.scheduler import SchedulerHooks
 
 __all__ = ["add_arguments", "build_state", "run"]
@@ -52,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     engine_options.add_arguments(p)
+    spec_options.add_arguments(p)
 
 
 def _model_names(path: str, alias: str) -> frozenset[str]:
@@ -145,6 +149,8 @@ class _Audited:
             prompt_tokens=job.prompt_tokens,
             cached_tokens=job.cached_tokens,
             generated_tokens=job.completion_tokens,
+            drafted=job.drafted,
+            accepted=job.accepted,
         )
 
 
@@ -171,6 +177,13 @@ def build_state(
     metrics = ServerMetrics(lambda: holder["state"].status())
     metrics.registry.add_source(_moe_counters(llm.model))
     metrics.registry.add_source(_expert_placement(llm))
+    drafter: Callable[[], Drafter] | None = None
+    if llm.spec.enabled:
+        from freetoken.engine.speculative import make_drafter
+
+        def drafter() -> Drafter:
+            return make_drafter(llm.spec, llm.model, llm.gguf, n_ctx, llm.draft)
+
     scheduler = Scheduler(
         llm.model,
         llm.tokenizer,
@@ -182,6 +195,8 @@ def build_state(
         hooks=metrics
         if llm.audit is None
         else cast("SchedulerHooks", _Audited(metrics, llm.audit)),
+        spec=llm.spec,
+        drafter=drafter,
     )
     template = getattr(llm.tokenizer, "chat_template", None)
     cfg = ServerConfig(
