@@ -159,13 +159,14 @@ class MtpDrafter:
 
         self.head = MtpHead(model, gguf)
         self.cache = self.head.new_cache(n_ctx)
-        #: The target's final hidden state per position.
-        self.hidden = torch.zeros(n_ctx, model.cfg.hidden, device=model.device)
+        #: The target's final hidden state per position (on the CPU, with the head).
+        self.hidden = torch.zeros(n_ctx, model.cfg.hidden)
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
         """Runs the head on the target's step: each token with the hidden state before it."""
         assert hidden is not None
         self.cache.truncate(start)
+        hidden = hidden.cpu()
         before = self.hidden[start - 1 : start] if start else torch.zeros_like(self.hidden[:1])
         self.head.forward(tokens, torch.cat([before, hidden[:-1]]), self.cache)
         self.hidden[start : start + len(tokens)] = hidden

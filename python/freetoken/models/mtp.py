@@ -8,7 +8,8 @@ hidden size, one decoder layer of the family runs on it (full attention over its
 such pairs, then the family's feed-forward, MoE included), and ``shared_head_norm`` (else the
 output norm) and ``shared_head_head`` (else the output projection) give the logits of the
 token at ``p + 1`` and the hidden state a following draft step pairs with its token.
-``nextn.embed_tokens`` replaces the token embeddings where the file has it."""
+``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head runs on
+the CPU (its layer's experts through the CPU executor), wherever the trunk runs."""
 
 from __future__ import annotations
 
@@ -42,18 +43,20 @@ class MtpHead:
         self.eh_proj = Linear(gguf, p + "eh_proj", (h, 2 * h))
         self.enorm = load_vector(gguf, p + "enorm.weight", h)
         self.hnorm = load_vector(gguf, p + "hnorm.weight", h)
+        # The head's own copies (on the CPU, where the head runs): the trunk's may be on a GPU.
         name = p + "shared_head_norm.weight"
-        self.head_norm = load_vector(gguf, name, h) if name in gguf else model.output_norm
+        self.head_norm = load_vector(gguf, name if name in gguf else "output_norm.weight", h)
         name = p + "shared_head_head"
-        self.head = Linear(gguf, name, (v, h)) if name + ".weight" in gguf else model.output
+        if name + ".weight" not in gguf:
+            name = "output" if "output.weight" in gguf else "token_embd"
+        self.head = Linear(gguf, name, (v, h))
         name = p + "embed_tokens.weight"
-        self.embed = Embedding(gguf, name, v, h) if name in gguf else model.embed
+        self.embed = Embedding(gguf, name if name in gguf else "token_embd.weight", v, h)
         self.block = model.mtp_block(gguf, i)
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        """An empty cache of the head's attention for one sequence."""
-        m = self.model
-        return KVCache(1, n_ctx, *m._kv_shape(), device=m.device)
+        """An empty cache of the head's attention for one sequence (on the CPU)."""
+        return KVCache(1, n_ctx, *self.model._kv_shape())
 
     @torch.inference_mode()
     def forward(
@@ -65,14 +68,12 @@ class MtpHead:
         m, eps = self.model, self.model.cfg.norm_eps
         n = len(tokens)
         start = cache.reserve(n)
-        dev = m.device
-        e = self.embed(self.embed.lookup(tokens)).to(dev)
-        x = self.eh_proj(
-            torch.cat([rms_norm(e, self.enorm, eps), rms_norm(hidden.to(dev), self.hnorm, eps)], -1)
-        )
-        step = Step(torch.arange(start, start + n, device=dev), [Span(start, n, cache)])
+        e = self.embed(self.embed.lookup(tokens))
+        h = rms_norm(hidden.cpu(), self.hnorm, eps)
+        x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
+        step = Step(torch.arange(start, start + n), [Span(start, n, cache)])
         x = m._layer(0, self.block, x, step)
         out = rms_norm(x, self.head_norm, eps)
         logits = self.head(out)
         cache.commit(n)
-        return logits.float().cpu(), out
+        return logits.float(), out
