@@ -8,11 +8,12 @@ profile made once by ``freetoken profile`` on other text, ``+tN`` for ``-t N`` (
 FreeToken picks its own threads; ``-t`` is llama.cpp's): ``hybrid+profile+t8,hybrid+profile+t12``
 sweeps the executor's threads, ``+pollN``
 for ``--poll N``, how long idle CPU workers poll before they sleep, ``+nommap`` for
-``--no-mmap``) with a GPU
-expert cache of ``--fraction`` of all expert bytes. Peak VRAM is polled with ``nvidia-smi``
-(``run_with_vram`` of bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against
-llama.cpp's best tg among the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the
-lowest-VRAM llama.cpp row when none is). Optionally (first model only) the hand-off's cost per
+``--no-mmap``) with a GPU expert cache of ``--fraction`` of all expert bytes;
+``--prompt 512,4096`` adds each row's prompt tokens/s (ratios against the tg reference's
+llama.cpp row). Peak VRAM is polled with ``nvidia-smi`` (``run_with_vram`` of
+bench_gpu_vs_llamacpp.py). Each FreeToken row's tg ratio is against llama.cpp's best tg among
+the N whose peak VRAM is within the hybrid run's peak VRAM + 5% (the lowest-VRAM llama.cpp
+row when none is). Optionally (first model only) the hand-off's cost per
 MoE layer: ``gpu`` against ``hybrid`` with every expert resident, so every route hits and the
 CPU answers empty requests. With ``--time-model`` (the default) ``freetoken bench-bw`` runs
 first on each model (each round), and each hybrid row gets the time model beside its
@@ -115,11 +116,15 @@ def model_info(path: str) -> dict[str, Any]:
         meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads)
     )
     v_len = int(meta.get(f"{arch}.attention.value_length", k_len))
+    # The Gated DeltaNet hybrids cache keys and values in every interval-th layer only.
+    attn_layers = n_layers
+    if f"{arch}.ssm.conv_kernel" in meta:
+        attn_layers = n_layers // int(meta.get(f"{arch}.full_attention_interval", 4))
     return {
         "n_layers": n_layers,
         "n_moe_layers": len(moe_layers),
         "expert_bytes": sum(t.nbytes for t in exps),
-        "kv_bytes_per_position": n_layers * kv_heads * (k_len + v_len) * 4,
+        "kv_bytes_per_position": attn_layers * kv_heads * (k_len + v_len) * 4,
     }
 
 
@@ -274,8 +279,9 @@ def default_ncmoe(n_layers: int, fraction: float) -> list[int]:
 
 
 def llama(args: argparse.Namespace, model: str, ncmoe: int) -> dict[str, Any]:
+    prompts = ",".join(map(str, args.prompt)) or "0"
     cmd = [args.llama_bench, "-m", model, "-ngl", "99", "-ncmoe", str(ncmoe), "-fa", "0"]
-    cmd += ["-p", "0", "-n", str(args.n), "-r", str(args.r), "-t", str(args.threads)]
+    cmd += ["-p", prompts, "-n", str(args.n), "-r", str(args.r), "-t", str(args.threads)]
     cmd += ["-o", "json"]
     row: dict[str, Any] = {"engine": "llama.cpp", "config": f"-ncmoe {ncmoe}", "ncmoe": ncmoe}
     row |= {"cmd": cmd, "tg": None, "peak_vram_mib": None, "peak_rss_mib": None}
@@ -290,6 +296,7 @@ def llama(args: argparse.Namespace, model: str, ncmoe: int) -> dict[str, Any]:
             tg = [r for r in results if r["n_gen"] and not r["n_prompt"]]
             row["tg"] = tg[0]["avg_ts"]
             row["tg_stddev"] = tg[0].get("stddev_ts")
+            row["pp"] = {r["n_prompt"]: r["avg_ts"] for r in results if not r["n_gen"]}
             row["build"] = results[0].get("build_commit")
             with open(rss_path) as f:
                 row["peak_rss_mib"] = round(int(f.read()) / 1024, 1)
@@ -304,8 +311,8 @@ def freetoken(
     args: argparse.Namespace, model: str, config: str, cache_mib: int | None
 ) -> dict[str, Any]:
     strategy, *mods = config.split("+")
-    cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-p", "0"]
-    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json"]
+    cmd = [sys.executable, "-m", "freetoken", "bench", "-m", model, "-r", str(args.r)]
+    cmd += ["-o", "json"]
     cmd += [f"-t{m[1:]}" for m in mods if _THREADS.fullmatch(m)]
     cmd += [f"--poll={m[4:]}" for m in mods if _POLL.fullmatch(m)]
     cmd += ["--moe-strategy", strategy]
@@ -322,9 +329,20 @@ def freetoken(
         if prof is None:
             return row
         cmd += ["--moe-cache-profile", prof]
-    out = _run(cmd, row)
+    row["cmd"] = [*cmd, "-p", "0", "-n", str(args.n)]
+    out = _run(row["cmd"], row)
     if out is None:
         return row
+    # Prompts in runs of their own (-n 0): the tg run's counters stay the decode steps'.
+    row["pp"] = {}
+    for n_prompt in args.prompt:
+        pp_row: dict[str, Any] = {}
+        pp_out = _run([*cmd, "-p", str(n_prompt), "-n", "0"], pp_row)
+        if pp_out is None:
+            row.setdefault("pp_errors", {})[n_prompt] = _error_line(pp_row)
+            continue
+        with contextlib.suppress(ValueError, KeyError, IndexError):
+            row["pp"][n_prompt] = json.loads(pp_out.strip().splitlines()[-1])["pp_tokens_per_s"]
     try:
         res = json.loads(out.strip().splitlines()[-1])
         row["tg"] = res["decode_tokens_per_s"]
@@ -466,6 +484,23 @@ def print_table(entry: dict[str, Any]) -> None:
         )
 
 
+def print_prompt_table(entry: dict[str, Any], prompts: list[int]) -> None:
+    """Prompt tokens/s per row, each ratio against the tg reference's llama.cpp row."""
+    if not prompts:
+        return
+    rows, ref = entry["rows"], entry["reference"]
+    ref_pp = rows[ref["row"]].get("pp", {}) if ref is not None else {}
+    print(f"\nprompts (ratios against {ref['config'] if ref else 'no reference'}):\n")
+    print("| engine / config | " + " | ".join(f"pp{p} t/s | ratio" for p in prompts) + " |")
+    print("| --- |" + " ---: | ---: |" * len(prompts))
+    for r in rows:
+        cells = []
+        for p in prompts:
+            v, base = (r.get("pp") or {}).get(p), ref_pp.get(p)
+            cells += [_cell(v, ".1f"), _cell(v / base if v and base else None, ".2f")]
+        print(f"| {r['engine']} {r['config']} | " + " | ".join(cells) + " |")
+
+
 def _spread(row: dict[str, Any]) -> str:
     """The other rounds' range beside the median, when there were rounds."""
     tgs = [t for t in row.get("tg_rounds", []) if t]
@@ -550,6 +585,13 @@ def main() -> None:
         default=1,
         help="run every row this many times, in turn, and report each row's median round",
     )
+    ap.add_argument(
+        "--prompt",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="comma-separated prompt lengths: each row's prompt tokens/s too (llama-bench -p, "
+        "freetoken bench -p N -n 0 per length)",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -569,6 +611,7 @@ def main() -> None:
         "r": args.r,
         "threads": args.threads,
         "fraction": args.fraction,
+        "prompts": args.prompt,
         "configs": configs,
         "rounds": args.rounds,
         "models": [],
@@ -623,6 +666,7 @@ def main() -> None:
             )
         set_reference(entry)
         print_table(entry)
+        print_prompt_table(entry, args.prompt)
         print_time_model(entry)
         save()
         sys.stdout.flush()

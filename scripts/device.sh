@@ -8,8 +8,12 @@
 #                                         bench-model if missing) against llama-bench
 #   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
 #                                         llama-bench -ncmoe on the uniform and zipf models
-#   bash scripts/device.sh bench-streams  on the GPU machine: 4 and 16 concurrent streams,
-#                                         freetoken serve (hybrid) against llama-server -ncmoe
+#   bash scripts/device.sh bench-qwen35   on the GPU machine: the 40-layer Qwen3.5-35B-A3B
+#                                         shape, all resident against llama-bench -ngl 99, or
+#                                         (FT_Q35_ROWS=hybrid) hybrid against -ncmoe
+#   bash scripts/device.sh bench-streams  on the GPU machine: 4, 16 and 32 concurrent streams
+#                                         and 4096-token prompts, freetoken serve (hybrid)
+#                                         against llama-server -ncmoe, 3 rounds in turn
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
 #   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
@@ -31,6 +35,15 @@
 # bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
 #   uniform and zipf 48-layer models, written if missing: bench-models), configs
 #   $FT_HYBRID_CONFIGS, more bench_hybrid.py arguments in $FT_HYBRID_ARGS (--ncmoe 31 ...).
+# bench-qwen35: the Qwen3.5-35B-A3B-shaped qwen35moe (make-test-model --preset qwen3.5-35b-a3b:
+#   40 layers, 30 of them Gated DeltaNet, 256 experts top-8 and a shared expert; Q4_K experts,
+#   Q8_0 the rest, 4 layers' experts tiled; written if missing), FT_Q35_ROUTING=zipf for
+#   per-layer hot experts (default uniform). FT_Q35_ROWS=resident (default): every expert on
+#   the GPU (gpu, dense weights quant) against llama-bench -ngl 99, pp512 and tg64;
+#   FT_Q35_ROWS=hybrid: bench_hybrid.py with the expert cache at FT_Q35_FRACTION (default 0.25)
+#   of the expert bytes, configs FT_Q35_CONFIGS (hybrid, hybrid+adaptive, hybrid+profile)
+#   against -ncmoe swept at about the same VRAM, tg64 and (FT_Q35_PROMPTS, default 512,4096)
+#   prompt rates. One routing and one fraction per call.
 # Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +57,9 @@ ARCHS=${FREETOKEN_CUDA_ARCHS:-90}
 # The pinned sdist's sha256 (python/freetoken/llama_pin.toml, one `key = "value"` per line).
 SHA=$(sed -n 's/^sha256 = "\([0-9a-f]*\)"$/\1/p' python/freetoken/llama_pin.toml)
 [ ${#SHA} = 64 ] || { echo "device.sh: no sha256 in python/freetoken/llama_pin.toml" >&2; exit 2; }
+# The families' vocabularies the GPU tests read besides llama-spm and qwen2.
+PACKED_VOCABS="llama-bpe qwen35 gemma-4"
+
 # Instruction sets both the dev machines and the GPU machine have.
 CPU_OPTIONS="GGML_SSE42=ON GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON \
 GGML_AVX512=ON GGML_AVX512_VBMI=ON GGML_AVX512_VNNI=ON GGML_AVX512_BF16=ON"
@@ -64,15 +80,17 @@ prepare() {
     (
         cd "$DEV/llama.cpp"
         # The test models' vocabularies stay (llama-spm for the small ones, qwen2 for the
-        # Qwen3-30B-A3B-shaped benchmark model).
+        # Qwen3-30B-A3B-shaped benchmark model); the families' own ones travel compressed
+        # (the carried tree's size limit) and are unpacked there before the tests.
         mkdir -p ../vocab
         cp models/ggml-vocab-llama-spm.gguf models/ggml-vocab-qwen2.gguf ../vocab/
+        for v in $PACKED_VOCABS; do xz -6 -T2 -c "models/ggml-vocab-$v.gguf" >"../vocab/ggml-vocab-$v.gguf.xz"; done
         rm -rf docs models tests examples pocs media gguf-py benches tools/server/tests \
             tools/server/bench .freetoken-complete
         # llama-server is built without its web UI: only the UI's CMake file and templates stay.
         find tools/ui -mindepth 1 ! -name CMakeLists.txt ! -name '*.in' -exec rm -rf {} +
         mkdir models
-        mv ../vocab/*.gguf models/
+        mv ../vocab/* models/
         rmdir ../vocab
         for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan \
             webgpu zdnn zendnn; do
@@ -159,6 +177,13 @@ install_wheel() {
 }
 
 env_for_tests() {
+    local f
+    for f in "$DEV"/llama.cpp/models/*.gguf.xz; do
+        if [ -f "$f" ] && [ ! -f "${f%.xz}" ]; then
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+                "$f" "${f%.xz}"
+        fi
+    done
     export PYTHONPATH=$FT_SITE PYTHONUNBUFFERED=1
     export FREETOKEN_LLAMA_SRC=$DEV/llama.cpp
 }
@@ -167,8 +192,11 @@ run_tests() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
+    # Every test file that marks a test `gpu` (the rest would only be collected and skipped).
+    local files
+    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
     python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$OUT/test-junit.xml" \
-        tests/test_gpu*.py tests/test_bench_bw.py 2>&1 | tee "$OUT/test.log"
+        "${files[@]}" 2>&1 | tee "$OUT/test.log"
 }
 
 bench() {
@@ -245,14 +273,69 @@ bench_hybrid() {
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
+# q35_model: the bench-qwen35 model of $FT_Q35_ROUTING, written if missing; prints its path.
+q35_model() {
+    local routing=${FT_Q35_ROUTING:-uniform}
+    local out=/tmp/ft-models/qwen35moe-35b-a3b-40l-q4_k-$routing.gguf
+    [ -d "$FT_SITE/freetoken" ] || install_wheel
+    env_for_tests
+    if [ ! -f "$out" ]; then
+        mkdir -p "$(dirname "$out")"
+        local t0=$SECONDS
+        python3 -m freetoken make-test-model --preset qwen3.5-35b-a3b --quant q8_0,exps=q4_k \
+            --vocab "$DEV/llama.cpp/models/ggml-vocab-qwen35.gguf" --tile-experts 4 \
+            --routing "$routing" --seed 1 -o "$out" 2>&1 | tail -5 >&2
+        log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
+    fi
+    echo "$out"
+}
+
+bench_qwen35() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    local model tag
+    model=$(q35_model)
+    tag=${FT_Q35_ROUTING:-uniform}
+    case ${FT_Q35_ROWS:-resident} in
+    resident)
+        python3 benches/bench_gpu_vs_llamacpp.py -m "$model" \
+            --llama-bench "$FT_BUILD/bin/llama-bench" -p 512 -n 64 -r 3 -t "$(nproc)" \
+            --configs gpu/quant --json "$OUT/bench_qwen35_resident_$tag.json" 2>&1 |
+            tee "$OUT/bench_qwen35_resident_$tag.log"
+        ;;
+    hybrid)
+        local fraction=${FT_Q35_FRACTION:-0.25}
+        python3 benches/bench_hybrid.py --model "$model" \
+            --llama-bench "$FT_BUILD/bin/llama-bench" -n 64 -r 3 -t "$(nproc)" \
+            --fraction "$fraction" --prompt "${FT_Q35_PROMPTS-512,4096}" --no-handoff-cost \
+            --configs "${FT_Q35_CONFIGS:-hybrid,hybrid+adaptive,hybrid+profile}" \
+            --json "$OUT/bench_qwen35_hybrid_${tag}_$fraction.json" 2>&1 |
+            tee "$OUT/bench_qwen35_hybrid_${tag}_$fraction.log"
+        ;;
+    *)
+        log "FT_Q35_ROWS=${FT_Q35_ROWS}: resident or hybrid"
+        exit 2
+        ;;
+    esac
+}
+
 # Concurrent streams: freetoken serve --moe-strategy hybrid at a 25% cache against
-# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM).
+# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM), each
+# server started once; FT_STREAMS (4,16,32) concurrent decode streams and FT_PROMPT_STREAMS
+# (4) prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
+# median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
+# beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
+# bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     bench_model
+    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
+        python3 -m freetoken bench-bw -m "$BENCH_MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw.md"
+    fi
     python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
-        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16}" -n 64 \
-        -t "$(nproc)" "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888}" \
+        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
+        --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
+        --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888} -b 2048 ${FT_STREAMS_ARGS:-}" \
         "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
         --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
 }
@@ -311,13 +394,15 @@ for phase in "$@"; do
     bench-models) bench_models ;;
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
+    bench-qwen35) bench_qwen35 ;;
     bench-streams) bench_streams ;;
     bench-jobs) bench_jobs ;;
     bench-jobs-ab) bench_jobs_ab ;;
     profile) profile_step ;;
     *)
         log "unknown phase $phase (prepare, prepare-alt, build, test, bench, bench-model," \
-            "bench-e2e, bench-hybrid, bench-streams, bench-jobs, bench-jobs-ab, profile)"
+            "bench-e2e, bench-hybrid, bench-qwen35, bench-streams, bench-jobs, bench-jobs-ab," \
+            "profile)"
         exit 2
         ;;
     esac

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from freetoken.engine.hybrid import HybridStats
+from freetoken.engine.hybrid import FETCH_FIELDS, HybridStats
 from freetoken.engine.options import EngineOptions
 from freetoken.errors import FileAccessError
 from freetoken.llm import LLM
@@ -73,6 +73,7 @@ def test_hybrid_stats_since_counts_between_snapshots() -> None:
             hits=np.array(hits),
             seeded_hits=np.array(hits) // 2,
             filled_hits=np.array(hits) - np.array(hits) // 2,
+            fetched=np.array(routes) // 4,
             answered=sum(routes),
             cpu_busy_s=busy,
             fills=fills,
@@ -80,6 +81,10 @@ def test_hybrid_stats_since_counts_between_snapshots() -> None:
             uploaded_bytes=fills * 100,
             resident=[[fills], [fills + 1]],
             bookkeeping_s=busy / 10,
+            fetch={
+                size: {f: fills * (i + 1) for i, f in enumerate(FETCH_FIELDS)}
+                for size in ("9-16", "17-32")[: 1 + (fills > 10)]
+            },
         )
 
     warm, end = snap([16, 16], [2, 4], 1.5, 9), snap([48, 80], [18, 36], 4.0, 12)
@@ -89,4 +94,57 @@ def test_hybrid_stats_since_counts_between_snapshots() -> None:
     assert d.cpu_busy_s == pytest.approx(2.5) and d.bookkeeping_s == pytest.approx(0.25)
     assert (d.fills, d.swaps, d.uploaded_bytes, d.answered) == (3, 1, 300, 96)
     assert d.seeded_hits.tolist() == [8, 16] and d.filled_hits.tolist() == [8, 16]
+    assert d.fetched.tolist() == [8, 16]
     assert d.resident == end.resident
+    # Per step size: 12 - 9 of each field times its position; "17-32" is new since the warm-up.
+    assert d.fetch == {
+        "9-16": {f: 3 * (i + 1) for i, f in enumerate(FETCH_FIELDS)},
+        "17-32": {f: 12 * (i + 1) for i, f in enumerate(FETCH_FIELDS)},
+    }
+
+
+def test_fetch_counters_in_the_record_and_on_metrics(model: Path) -> None:
+    """A hybrid record's ``fetch`` holds the step sizes that ran since the previous record,
+    each field's difference; ``/metrics`` has every size's totals as labelled series, one
+    HELP/TYPE header per metric."""
+    from freetoken.engine.audit import _delta, expert_counters
+    from freetoken.server.metrics import Registry
+
+    def stats(steps: int, routes: int) -> HybridStats:
+        c = dict.fromkeys(FETCH_FIELDS, 0) | {"steps": steps, "uploaded_routes": routes}
+        z = np.zeros(2, dtype=np.int64)
+        return HybridStats(
+            [0, 1], z, z, z, z, z, 0, 0.0, 0, 0, 0, [[], []], 0.0,
+            fetch={"2-4": c, "9-16": dict(c, steps=5)},
+        )  # fmt: skip
+
+    class Experts:
+        uploaded_bytes = 0
+
+        def __init__(self, s: HybridStats) -> None:
+            self.s = s
+
+        def stats(self) -> HybridStats:
+            return self.s
+
+    class Placement:
+        strategy = "hybrid"
+
+        def __init__(self, s: HybridStats) -> None:
+            self.experts = Experts(s)
+
+    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
+    llm.generate("One", max_tokens=2, temperature=0)  # routes, so the layers are listed
+    before = expert_counters(llm.model, Placement(stats(2, 30)))
+    now = expert_counters(llm.model, Placement(stats(7, 100)))
+    d = _delta(now, before)["fetch"]
+    assert set(d) == {"2-4"} and d["2-4"]["steps"] == 5 and d["2-4"]["uploaded_routes"] == 70
+
+    llm.placement = Placement(stats(7, 100))  # type: ignore[assignment]
+    registry = Registry()
+    registry.add_source(_expert_placement(llm))
+    text = registry.render()
+    assert text.count("# TYPE freetoken_moe_fetch_steps_total counter") == 1
+    assert 'freetoken_moe_fetch_steps_total{tokens="2-4"} 7' in text
+    assert 'freetoken_moe_fetch_steps_total{tokens="9-16"} 5' in text
+    assert 'freetoken_moe_fetch_uploaded_routes_total{tokens="9-16"} 100' in text

@@ -39,8 +39,9 @@ BASE: dict[str, Any] = dict(hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=6
 KIND_KEYS = {
     "types", "hidden", "ffn", "n_experts", "top_k", "layers", "expert_bytes", "threads",
     "cpu_t1", "cpu_t8", "pcie_expert", "pcie_bulk", "pcie_source", "gpu_t1",
-    "cpu_t1_with_gpu", "gpu_t1_with_cpu", "gpu_detail", "b_cpu_gbps", "b_pcie_gbps",
-    "b_gpu_gbps", "break_even_reuse", "model", "measured_at",
+    "cpu_t1_with_gpu", "gpu_t1_with_cpu", "cpu_t1_with_pcie", "pcie_expert_with_cpu",
+    "gpu_detail", "b_cpu_gbps", "b_pcie_gbps", "b_gpu_gbps", "b_cpu_with_pcie_gbps",
+    "b_pcie_with_cpu_gbps", "break_even_reuse", "model", "measured_at",
 }  # fmt: skip
 RATE_KEYS = {"nbytes", "seconds", "calls", "experts", "gbps"}
 
@@ -191,9 +192,20 @@ def test_without_a_gpu_the_gpu_parts_are_unavailable(
     assert doc["gpu"]["available"] is False and doc["gpu"]["name"] is None
     assert doc["gpu"]["detail"]
     for entry in doc["kinds"].values():
-        for name in ("pcie_expert", "pcie_bulk", "gpu_t1", "cpu_t1_with_gpu", "gpu_t1_with_cpu"):
-            assert entry[name] is None
-        assert entry["b_pcie_gbps"] is None and entry["break_even_reuse"] is None
+        for name in (
+            "pcie_expert",
+            "pcie_bulk",
+            "gpu_t1",
+            "cpu_t1_with_gpu",
+            "gpu_t1_with_cpu",
+            "cpu_t1_with_pcie",
+            "pcie_expert_with_cpu",
+            "b_pcie_gbps",
+            "b_cpu_with_pcie_gbps",
+            "b_pcie_with_cpu_gbps",
+            "break_even_reuse",
+        ):
+            assert entry[name] is None, name
         assert entry["b_cpu_gbps"] == entry["cpu_t1"]["gbps"]
 
 
@@ -237,6 +249,70 @@ def test_the_profile_is_found_for_a_model(
             assert found is not None and ex.index in doc["kinds"][found.key]["layers"]
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))  # nothing saved there
     assert bandwidth.load_bandwidth_profile(model, gpu_name=doc["gpu"]["name"]) is None
+
+
+def _gguf_key(layer: dict[str, Any]) -> str:
+    """A layer's kind key from what gguf-py reads: gate/up/down types, hidden x expert FFN."""
+    types = "/".join(layer["types"][k] for k in ("gate", "up", "down"))
+    return f"{types} {layer['hidden']}x{layer['ffn']}"
+
+
+def _moe_model(models: dict[str, Path]) -> Any:
+    from freetoken.gguf import GGUFFile
+    from freetoken.models import load_model
+
+    return load_model(GGUFFile(models["moe"]), None, 1)
+
+
+def _expert_layers(model: Any) -> list[Any]:
+    from freetoken.engine.bandwidth import group_layers
+
+    return sorted((ex for ls in group_layers(model).values() for ex in ls), key=lambda e: e.index)
+
+
+def _profile_doc(kinds: dict[str, float]) -> dict[str, Any]:
+    """A saved profile of CPU figures only, ``kinds`` key -> b_cpu_gbps."""
+    return {
+        "format": bandwidth.FORMAT,
+        "version": bandwidth.VERSION,
+        "host": {"cpu": "test cpu", "threads": 2},
+        "gpu": {"available": False, "name": None, "detail": "none"},
+        "kinds": {k: {"threads": 2, "b_cpu_gbps": v} for k, v in kinds.items()},
+    }
+
+
+def test_each_layer_reads_its_own_kind(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers 0 and 2 (one kind) get one entry, layer 1 (another kind) the other: never the
+    most common kind's for all."""
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    keys = {i: _gguf_key(la) for i, la in gguf_layers(models["moe"]).items()}
+    figures = {keys[0]: 11.0, keys[1]: 22.0, "Q8_0/Q8_0/Q8_0 4096x1024": 33.0}
+    bandwidth.save(_profile_doc(figures))
+    model = _moe_model(models)
+    prof = bandwidth.load_bandwidth_profile(model, gpu_name=None)
+    assert prof is not None and set(prof.kinds) == {keys[0], keys[1]}  # the model's kinds
+    per_layer = prof.for_layers(_expert_layers(model))
+    assert {i: k.key for i, k in per_layer.items()} == keys
+    assert {i: k.b_cpu_gbps for i, k in per_layer.items()} == {0: 11.0, 1: 22.0, 2: 11.0}
+
+
+def test_a_profile_missing_a_layers_kind_is_an_error(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from freetoken.errors import InvalidInputError
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    keys = {i: _gguf_key(la) for i, la in gguf_layers(models["moe"]).items()}
+    path = bandwidth.save(_profile_doc({keys[0]: 11.0}))  # layer 1's kind not measured
+    model = _moe_model(models)
+    prof = bandwidth.load_bandwidth_profile(model, gpu_name=None)
+    assert prof is not None
+    with pytest.raises(InvalidInputError) as e:
+        prof.for_layers(_expert_layers(model))
+    msg = str(e.value)
+    assert str(path) in msg and "layer 1" in msg and repr(keys[1]) in msg and "bench-bw" in msg
 
 
 def test_markdown_lists_each_kind(
@@ -296,18 +372,8 @@ def test_the_executor_counts_every_expert_of_every_layer(models: dict[str, Path]
 def test_saving_keeps_other_models_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
 
-    def doc(kinds: dict[str, float]) -> dict[str, Any]:
-        entries = {k: {"threads": 2, "b_cpu_gbps": v} for k, v in kinds.items()}
-        return {
-            "format": bandwidth.FORMAT,
-            "version": bandwidth.VERSION,
-            "host": {"cpu": "test cpu", "threads": 2},
-            "gpu": {"available": False, "name": None, "detail": "none"},
-            "kinds": entries,
-        }
-
-    bandwidth.save(doc({"A": 1.0, "B": 2.0}))
-    path = bandwidth.save(doc({"B": 3.0, "C": 4.0}))
+    bandwidth.save(_profile_doc({"A": 1.0, "B": 2.0}))
+    path = bandwidth.save(_profile_doc({"B": 3.0, "C": 4.0}))
     prof = bandwidth.load_bandwidth_profile(gpu_name=None)
     assert prof is not None and prof.path == path
     assert {k: v.b_cpu_gbps for k, v in prof.kinds.items()} == {"A": 1.0, "B": 3.0, "C": 4.0}
@@ -379,8 +445,11 @@ def test_gpu_figures(models: dict[str, Path]) -> None:
         assert e["gpu_detail"] is None, (key, e["gpu_detail"])
         assert e["pcie_source"] in ("mapping", "pinned-buffer")
         one_expert = layers[e["layers"][0]]["expert_bytes"]
-        for name in ("pcie_expert", "pcie_bulk"):
+        for name in ("pcie_expert", "pcie_bulk", "pcie_expert_with_cpu"):
             assert e[name]["gbps"] > 0 and e[name]["nbytes"] == e[name]["experts"] * one_expert
+        assert e["cpu_t1_with_pcie"]["gbps"] > 0
+        assert e["b_cpu_with_pcie_gbps"] == e["cpu_t1_with_pcie"]["gbps"]
+        assert e["b_pcie_with_cpu_gbps"] == e["pcie_expert_with_cpu"]["gbps"]
         for name in ("gpu_t1", "gpu_t1_with_cpu"):
             rate = e[name]
             assert rate["gbps"] > 0 and rate["nbytes"] == rate["calls"] * top_k * one_expert

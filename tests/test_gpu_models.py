@@ -11,14 +11,17 @@ through the same hand-off, no slots). The families cover shared
 experts (qwen2moe), the per-expert layout (Mixtral), different types across layers and for
 gate, up and down (mixed), sigmoid and grouped routing with MLA attention (deepseek2,
 glm4moe), and experts the GPU kernels cannot serve, which stay on the CPU executor through
-the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0). Dense weights run both ways
-(``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
+the hand-off (gpt-oss's clamped SwiGLU with biases, TQ2_0), and Gemma 4 (per-layer head
+sizes and KV heads, the shared-expert MoE with fused gate/up; its dense and E-series models,
+whose per-layer token rows are read on the host, through every strategy too). Dense weights
+run both ways (``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
 """
 
 from __future__ import annotations
 
 import gc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.errors import InvalidInputError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
@@ -61,6 +65,12 @@ MODELS = {
                       experts=8, top_k=4, expert_ffn=64, shared_experts=1, leading_dense=1,
                       rope_dim=16, kv_lora_rank=64, v_head_dim=32, q_lora_rank=64,
                       expert_gating="softmax", quant="q8_0,exps=q4_0,ffn_down_exps=q5_0"),
+    # Sliding (64-wide heads) and full (128-wide, one KV head, keys as values) layers, the
+    # dense FFN as a shared expert, fused gate/up experts.
+    "gemma4-moe": dict(arch="gemma4", layers=3, head_dim=64, head_dim_full=128,
+                       kv_heads_full=1, ffn=256, experts=8, top_k=4, expert_ffn=128,
+                       sliding_window=8, swa_pattern=3, expert_layout="fused",
+                       quant="q8_0,exps=q4_k,ffn_down_exps=q6_k"),
     # TQ2_0 has no GPU kernel: these experts stay on the CPU executor.
     "no-kernel": dict(arch="qwen3moe", head_dim=64, experts=8, top_k=2, expert_ffn=256,
                       quant="q8_0,exps=tq2_0"),
@@ -72,6 +82,10 @@ MODELS = {
 #: activation rounding (q8_1) flips a group choice on one prompt (mean KL 0.0155 with every
 #: argmax equal, measured on the H200) as llama.cpp's does on other seeds.
 FAMILY_B = ["glm4moe", "deepseek2-kv_b", "gpt-oss"]
+#: Cases of test_more_families.py: the MoE ones on every strategy, the dense ones on `gpu` with
+#: both kinds of dense weights (a dense model has no experts for the other strategies to place).
+MORE_MOE = ["qwen3vlmoe-mix", "minimax-m2-mix"]
+MORE_DENSE = ["mistral3-temp", "qwen3vl-sections", "mistral3-k"]
 
 STRATEGIES = [("gpu", "quant"), ("offload", "quant"), ("hybrid", "quant"), ("cpu", "quant")]
 
@@ -84,6 +98,10 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     for name in FAMILY_B:
         files[name] = build(name, out)
+    from test_more_families import build as build_more
+
+    for name in MORE_MOE + MORE_DENSE:
+        files[name] = build_more(name, out)
     return files
 
 
@@ -116,23 +134,21 @@ def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
     return np.stack(out)
 
 
-def _gpu_llm(path: Path, strategy: str, dense: str) -> LLM:
+def _gpu_llm(path: Path, strategy: str, dense: str, **engine: Any) -> LLM:
     # 1 MiB of slots: fewer than one layer's experts on these models.
     mib = 1 if strategy in ("offload", "hybrid") else None
     opts = EngineOptions(
-        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib
+        device="cuda", moe_strategy=strategy, dense_weights=dense, moe_cache_mib=mib, **engine
     )
     return LLM(path, n_ctx=256, engine=opts)
 
 
-@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
-@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B)
-def test_gpu_matches_cpu(
-    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+def _matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path], **engine: Any
 ) -> None:
     path = model_files[name]
     seqs, refs = _cpu_runs(path)
-    llm = _gpu_llm(path, strategy, dense)
+    llm = _gpu_llm(path, strategy, dense, **engine)
     place = llm.placement
     assert place is not None and place.strategy == strategy
     if strategy == "cpu":  # every MoE layer on the CPU through the hand-off, decode a graph
@@ -142,6 +158,37 @@ def test_gpu_matches_cpu(
         prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
         _check(name, f"{strategy} prefill {prompt!r}", ref, prefill)
         _check(name, f"{strategy} decode {prompt!r}", ref, _decode_logits(llm, seq, first))
+
+
+@pytest.mark.parametrize(("strategy", "dense"), STRATEGIES)
+@pytest.mark.parametrize("name", list(MODELS) + FAMILY_B + MORE_MOE)
+def test_gpu_matches_cpu(
+    name: str, strategy: str, dense: str, model_files: dict[str, Path]
+) -> None:
+    _matches_cpu(name, strategy, dense, model_files)
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+def test_one_range_layer_split_matches_cpu(strategy: str, model_files: dict[str, Path]) -> None:
+    # `--split-mode layer` with this host's GPUs: every proportion on the main GPU.
+    n = torch.cuda.device_count()
+    split = tuple(1.0 if d == 0 else 0.0 for d in range(n))
+    _matches_cpu("qwen3moe", strategy, "quant", model_files, split_mode="layer", tensor_split=split)
+
+
+def test_split_flags_checked_against_the_gpus(model_files: dict[str, Path]) -> None:
+    n = torch.cuda.device_count()
+    path = model_files["qwen3moe"]
+    with pytest.raises(InvalidInputError, match=f"--main-gpu {n}: this host has {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", main_gpu=n)
+    with pytest.raises(InvalidInputError, match=f"{n + 1} proportions for {n} GPU"):
+        _gpu_llm(path, "gpu", "quant", tensor_split=(1.0,) * (n + 1))
+
+
+@pytest.mark.parametrize("dense", ["quant", "bf16"])
+@pytest.mark.parametrize("name", MORE_DENSE)
+def test_dense_family_gpu_matches_cpu(name: str, dense: str, model_files: dict[str, Path]) -> None:
+    _matches_cpu(name, "gpu", dense, model_files)
 
 
 #: The check of the hybrid split: families with different expert layouts and mixed
@@ -243,18 +290,12 @@ def test_decode_graph_after_a_longer_prompt(model_files: dict[str, Path]) -> Non
         _check("qwen3moe", f"decode after a longer prompt {prompt!r}", ref, np.stack(out))
 
 
-@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
-@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
-def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[str, Path]) -> None:
-    """Decode steps of several sequences at once, one token each (the server's continuous
-    batching), replayed as one CUDA graph per set of sequences: each sequence's logits match
-    the CPU's. The second sequence joins five steps late and the first ends first, so the
-    batch goes 1 -> 2 -> 1 sequences (three graphs)."""
-    path = model_files[name]
-    seqs, refs = _cpu_runs(path)
-    llm = _gpu_llm(path, strategy, "quant")
+def _batched_decode(llm: LLM, seqs: list[list[int]]) -> list[np.ndarray]:
+    """Each sequence's logits from its prompt's last position on, its prompt run alone and
+    then one token per sequence and step, all running sequences in one step (the server's
+    continuous batching): the second sequence joins five steps late and the first ends
+    first, so the batch goes 1 -> 2 -> 1 sequences."""
     model = llm.model
-    assert model.graphs is not None
     firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
     caches = [model.new_cache(len(s)) for s in seqs]
     outs = [
@@ -269,9 +310,80 @@ def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[
             outs[i].append(row.numpy())
             nxt[i] += 1
         step += 1
+    return [np.stack(o) for o in outs]
+
+
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
+def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[str, Path]) -> None:
+    """Decode steps of several sequences at once, one token each, replayed as one CUDA graph
+    per set of sequences (three graphs: 1 -> 2 -> 1 sequences): each sequence's logits match
+    the CPU's."""
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, "quant")
+    model = llm.model
+    assert model.graphs is not None
+    outs = _batched_decode(llm, seqs)
     assert any(len(key[0]) == 2 for key in model.graphs.graphs), "no two-sequence graph ran"
     for prompt, ref, out in zip(PROMPTS, refs, outs, strict=True):
-        _check(name, f"{strategy} batched decode {prompt!r}", ref, np.stack(out))
+        _check(name, f"{strategy} batched decode {prompt!r}", ref, out)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
+def test_hybrid_fetch_share_matches_cpu_and_gpu(
+    name: str, share: float, model_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hybrid`` with ``--moe-fetch-share`` forced, on steps of several tokens: prompts split
+    (not streamed) and decode steps of two sequences at once. Each layer's hits run on the
+    slot pool, the forced share of its missed experts is uploaded for the step and computed
+    on the GPU, the rest on the CPU; the teacher-forced logits match the CPU engine's and the
+    all-resident ``gpu`` strategy's on the same steps. Share 0 fetches nothing (two-sequence
+    decode steps are still graphs); above 0 experts are fetched (those steps run eagerly),
+    and at 1 the CPU computes only the misses the staging buffer has no room for."""
+    from freetoken.engine import hybrid
+
+    monkeypatch.setattr(hybrid, "MAX_SLOT_TOKENS", hybrid.MAX_TOKENS)
+    path = model_files[name]
+    seqs, refs = _cpu_runs(path)
+    all_gpu = _gpu_llm(path, "gpu", "quant")
+    opts = EngineOptions(
+        device="cuda", moe_strategy="hybrid", moe_cache_mib=1, moe_fetch_share=share
+    )
+    llm = LLM(path, n_ctx=256, engine=opts)
+    assert llm.placement is not None and llm.placement.strategy == "hybrid"
+    experts = llm.placement.experts
+    assert isinstance(experts, hybrid.HybridExperts) and experts.fetch_share == share
+    how = f"hybrid fetch share {share}"
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        want = all_gpu.logits(seq)[first:-1].numpy()
+        _check(name, f"gpu prefill {prompt!r}", ref, want)
+        got = llm.logits(seq)[first:-1].numpy()
+        _check(name, f"{how} prefill {prompt!r} against the CPU", ref, got)
+        _check(name, f"{how} prefill {prompt!r} against gpu", want, got)
+    wants, gots = _batched_decode(all_gpu, seqs), _batched_decode(llm, seqs)
+    for prompt, ref, want, got in zip(PROMPTS, refs, wants, gots, strict=True):
+        _check(name, f"{how} batched decode {prompt!r} against the CPU", ref, got)
+        _check(name, f"{how} batched decode {prompt!r} against gpu", want, got)
+    st = experts.stats()
+    two = st.fetch["2-4"]  # the two-sequence decode steps
+    assert two["steps"] > 0 and 0 < st.hits.sum() < st.routes.sum(), st
+    graphs = llm.model.graphs
+    assert graphs is not None
+    assert any(len(key[0]) == 2 for key in graphs.graphs) == (share == 0.0)
+    if share == 0.0:
+        assert st.fetched.sum() == 0 and all(c["uploaded_routes"] == 0 for c in st.fetch.values())
+        return
+    assert st.fetched.sum() > 0 and two["uploaded_routes"] > 0 and two["uploaded_bytes"] > 0, st
+    assert two["upload_s"] > 0, st
+    assert sum(c["uploaded_routes"] for c in st.fetch.values()) == st.fetched.sum(), st
+    several = [c for size, c in st.fetch.items() if size != "1"]  # one-token steps never fetch
+    if share == 1.0:  # the CPU gets only what the staging buffer has no room for
+        assert all(c["cpu_routes"] < c["uploaded_routes"] for c in several), st
+    else:
+        assert sum(c["cpu_routes"] for c in several) > 0, st
 
 
 def test_bf16_dense_weights(model_files: dict[str, Path]) -> None:
@@ -364,7 +476,7 @@ def test_hybrid_splits_prompts_and_fills(
     (rec,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert rec["strategy"] == "hybrid" and 0 < rec["hit_rate"] < 1, rec
     for la in rec["layers"]:
-        assert la["gpu_routes"] + la["cpu_routes"] == la["routes"] > 0, la
+        assert la["gpu_routes"] + la["fetched_routes"] + la["cpu_routes"] == la["routes"] > 0, la
         assert la["filled_hits"] == la["gpu_routes"], la
     assert sorted(map(int, rec["resident"])) == [0, 1] and rec["uploaded_bytes"] >= 0
 
@@ -402,3 +514,37 @@ def test_hybrid_cpu_layers(
         _check("qwen3moe", f"cpu layers {spec} decode", ref, _decode_logits(llm, seq, first))
     st = place.experts.stats()  # type: ignore[union-attr]
     assert st.routes[1] > 0 and st.hits[1] == 0
+
+
+#: Gemma 4 without experts: the dense layout, and the E-series (per-layer inputs, shared-KV
+#: layers, double-wide FFNs there). Every strategy places them (no MoE layers to place);
+#: the E-series' steps read the host, so they run without graphs.
+GEMMA4_DENSE = {
+    "gemma4-dense": dict(arch="gemma4", layers=4, head_dim=64, head_dim_full=128,
+                         kv_heads_full=1, sliding_window=8, swa_pattern=2, quant="q4_k,attn=q8_0"),
+    "gemma4-e": dict(arch="gemma4", layers=6, head_dim=64, head_dim_full=128, kv_heads_full=1,
+                     sliding_window=8, swa_pattern=3, per_layer_width=64, shared_kv_layers=2,
+                     quant="q8_0,ffn=q5_k"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma4_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_models(GEMMA4_DENSE, _BASE, tmp_path_factory.mktemp("gpu-gemma4"))
+
+
+@pytest.mark.parametrize(("strategy", "dense"), [*STRATEGIES, ("gpu", "bf16")])
+@pytest.mark.parametrize("name", list(GEMMA4_DENSE))
+def test_gemma4_dense_matches_cpu(
+    name: str, strategy: str, dense: str, gemma4_files: dict[str, Path]
+) -> None:
+    path = gemma4_files[name]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, strategy, dense)
+    place = llm.placement
+    assert place is not None and place.graphs == (name != "gemma4-e")
+    for prompt, seq, ref in zip(PROMPTS, seqs, refs, strict=True):
+        first = len(llm.tokenize(prompt)) - 1
+        prefill = llm.logits(seq)[first : len(seq) - 1].numpy()
+        _check(name, f"{strategy} {dense} prefill {prompt!r}", ref, prefill)
+        _check(name, f"{strategy} {dense} decode {prompt!r}", ref, _decode_logits(llm, seq, first))

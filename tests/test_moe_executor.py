@@ -1078,9 +1078,10 @@ def test_moe_ffn(pair: Pair, executor: _core.MoeExecutor) -> None:
 def test_handoff_serves_missed_routes(pair: Pair, executor: _core.MoeExecutor) -> None:
     """``serve_handoffs`` (hybrid's CPU half), with this thread playing the GPU's kernels on
     the block: each request (layer, tokens) is answered in order with the reference over the
-    routes whose expert is not resident, written into ``out``; the layer counters are left to
-    the GPU; a bad request is still answered (the GPU must not wait), flagged in the error
-    word and raised by the ticket after the stop word."""
+    routes whose expert is not resident, written into ``out``, by the table as it is at the
+    request (a step marks the experts it fetches between requests); the layer counters are
+    left to the GPU; a bad request is still answered (the GPU must not wait), flagged in the
+    error word and raised by the ticket after the stop word."""
     max_t, k, n_experts = 8, 8, 16
     block = np.zeros(8, dtype=np.int64)
     x = np.zeros((max_t, H), dtype=np.float32)
@@ -1104,6 +1105,8 @@ def test_handoff_serves_missed_routes(pair: Pair, executor: _core.MoeExecutor) -
         xs = tokens(rng, t)
         r_ids, r_w = routes(rng, t, n_experts, k)
         x[:t], ids[li, :t], w[li, :t] = xs, r_ids, r_w
+        if seq == 3:  # fetched for this request: the GPU computes it, the CPU skips it
+            resident[li, r_ids[0][resident[li, r_ids[0]] < 0]] = np.iinfo(np.int32).max
         request(seq, li, t)
         miss = resident[li][r_ids] < 0
         rows = miss.any(axis=1)

@@ -91,7 +91,8 @@ def _vocab(name: str) -> Path:
         pytest.skip(str(e))
 
 
-def _build(case: str, out: Path) -> Path:
+def build(case: str, out: Path) -> Path:
+    """The file of ``case`` (make-test-model, then its EDITS) in ``out``."""
     _, arch, vocab, opts = next(c for c in CASES if c[0] == case)
     path = out / f"{case}.gguf"
     base = out / f"{case}.base.gguf" if case in EDITS else path
@@ -104,7 +105,7 @@ def _build(case: str, out: Path) -> Path:
 def test_matches_llamacpp(case: str, tmp_path: Path, llama_ref_root: Path) -> None:
     import llama_ref
 
-    path = _build(case, tmp_path)
+    path = build(case, tmp_path)
     ours = LLM(path, n_ctx=512)
     with llama_ref.LlamaRef.load(path, n_ctx=512, n_threads=2, root=llama_ref_root) as ref:
         for prompt in PROMPTS:
@@ -126,7 +127,7 @@ def test_agreement_resolves_the_feature(
 ) -> None:
     import llama_ref
 
-    path = _build(case, tmp_path)
+    path = build(case, tmp_path)
     other = rewrite(path, tmp_path / "ablated.gguf", meta=ablate)
     ours = LLM(path, n_ctx=512)
     load = dict(n_ctx=512, n_threads=2, root=llama_ref_root)

@@ -10,6 +10,8 @@
   llama.cpp's except at its near-ties, mean KL(llama.cpp || ours) at most 0.005;
 - the per-sequence state: a batch of two sequences gives each one's own logits, a cut back to
   a snapshot continues as a fresh run, a cut no snapshot serves runs again from the start;
+  the state tensors are updated in place and a checkpoint puts a step's change back (what
+  the GPU's captured decode steps rely on);
 - bad files: a missing linear-attention tensor, a conv1d of the wrong width, head counts that
   do not divide, a full_attention_interval that does not fit: errors naming the tensor or key.
 """
@@ -23,11 +25,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from freetoken.errors import FreeTokenError, UnsupportedError
+from freetoken.errors import FreeTokenError
 from freetoken.gguf import GGUFFile
 from freetoken.llm import LLM, PROMPT_CHUNK
 from freetoken.models import load_model
 from freetoken.models.delta_net import causal_conv, delta_rule_chunked, delta_rule_step
+from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.recurrent_cache import HybridCache
 from gguf import GGUFValueType
 from synthetic import build_models
@@ -223,12 +226,62 @@ def test_llm_chat_turn_reuses_prefix_like_a_fresh_run(model_files: dict[str, Pat
     torch.testing.assert_close(reused, again, atol=2e-3, rtol=1e-4)
 
 
-def test_gpu_strategies_refuse(model_files: dict[str, Path]) -> None:
-    from freetoken.engine.placement import place_on_gpu
+def test_states_stay_in_place_and_a_checkpoint_puts_them_back(
+    model_files: dict[str, Path],
+) -> None:
+    """What a captured decode step (CUDA graph) relies on, on the same code the CPU runs: the
+    recurrent states keep their tensors through prompt and decode steps and cuts back, and
+    a checkpoint (taken before a capture's warm-up passes) puts a step's state change back,
+    so the step run again gives the same logits."""
+    model = load_model(GGUFFile(model_files["qwen3next-kquant"]))
+    tokens = list(range(100, 180))
+    cache = model.new_cache(256)
+    assert isinstance(cache, HybridCache)
+    ptrs = [t.data_ptr() for t in cache.conv + cache.ssm]
+    model.forward(tokens[:70], cache)
+    restore = cache.checkpoint()
+    first = model.forward([5], cache)
+    # As a capture's warm-up pass: the step ran, its position is not kept, the states moved.
+    KVCache.truncate(cache, 70)
+    restore()
+    torch.testing.assert_close(model.forward([5], cache), first, atol=0, rtol=0)
+    model.forward([6], cache)
+    assert cache.truncate(71) == 70  # the snapshot at 70
+    cache.truncate(0)
+    model.forward(tokens, cache)
+    assert [t.data_ptr() for t in cache.conv + cache.ssm] == ptrs
 
-    model = load_model(GGUFFile(model_files["qwen35-iq"]))
-    with pytest.raises(UnsupportedError, match="qwen35"):
-        place_on_gpu(model, strategy="gpu")
+
+def test_captured_step_form_matches_eager_decode(model_files: dict[str, Path]) -> None:
+    """Decode steps in the form a CUDA graph captures them (runtime/cuda_graph.py), run on the
+    CPU: positions as a tensor, a fixed number of cached positions read with those past the
+    token masked, two sequences in one step. The same logits as eager decode steps, and the
+    states advance alike."""
+    from freetoken.runtime.step import Span, Step
+
+    for name in ("qwen35-kquant", "qwen3next-mixed"):
+        model = load_model(GGUFFile(model_files[name]))
+        prompts = [list(range(10, 50)), list(range(300, 371))]
+        eager = [model.new_cache(256) for _ in prompts]
+        graph = [model.new_cache(256) for _ in prompts]
+        for p, e, g in zip(prompts, eager, graph, strict=True):
+            model.forward(p, e)
+            model.forward(p, g)
+        for t in range(6):
+            toks = [20 + t, 400 + t]
+            ref = torch.stack(
+                model.forward_batch([([x], c) for x, c in zip(toks, eager, strict=True)])
+            )
+            pos = torch.tensor([c.reserve(1) for c in graph])
+            spans = [Span(pos[i : i + 1], 1, c, 256) for i, c in enumerate(graph)]
+            with torch.inference_mode():
+                out = model.run(torch.tensor(toks), Step(pos, spans), None)
+            for c in graph:
+                c.commit(1)
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"{name} step {t}")
+        for e, g in zip(eager, graph, strict=True):
+            for a, b in zip(e.ssm + e.conv, g.ssm + g.conv, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 # ---- bad files -----------------------------------------------------------------------------

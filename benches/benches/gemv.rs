@@ -3,8 +3,9 @@
 //! `bandwidth/read/<T>t` streams a buffer far larger than the last-level cache; `gemv/<type>/<T>t`
 //! runs y[1, N] = x[1, K] . W^T through ft-cpu on a weight matrix also far larger than the cache.
 //! `moe/{decode,miss2,prefill64}/<T>t` runs the expert executor on Qwen3-30B-A3B's MoE layer
-//! shape.
-//! All report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
+//! shape. `prompt/<type>/<T>t` runs a 128-token product on one of the default model's shapes,
+//! in the weights' cache-resident regime a prompt chunk is in (FLOP/s, not bytes).
+//! The others report bytes read per second (GB/s, 1e9 bytes). A summary after criterion's report divides
 //! each figure by the probe's at the same thread count: decode is bound by streaming the
 //! weights, so that fraction says how much of the machine's bandwidth the kernels use.
 
@@ -54,6 +55,12 @@ const TYPES: &[GgmlType] = &[
     GgmlType::IQ4_XS,
     GgmlType::MXFP4,
 ];
+
+/// A prompt chunk's tokens, and the product's shape: Gemma 3 270M's down projection (2048 to
+/// 640), K a multiple of every block size.
+const PROMPT_TOKENS: usize = 128;
+const PROMPT_N: usize = 640;
+const PROMPT_K: usize = 2048;
 
 /// Qwen3-30B-A3B's MoE layer: 128 experts of hidden 2048 and expert FFN 768, top-8.
 const MOE_EXPERTS: usize = 128;
@@ -195,6 +202,41 @@ fn gemv(c: &mut Criterion) {
             let threads = pool.n_threads();
             group.bench_function(BenchmarkId::new(t.name(), format!("{threads}t")), |b| {
                 timed(b, &case, threads, w.len(), || {
+                    weight
+                        .matmul(pool, black_box(&x), &mut y)
+                        .expect("shapes match");
+                    black_box(&y);
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+/// `prompt/<type>/<T>t`: y[128, 640] = x[128, 2048] . W^T, as a prompt chunk's products run
+/// (activations quantized once, every row read for all tokens). The figure is 2 x T x N x K
+/// FLOP per second.
+fn prompt(c: &mut Criterion) {
+    let pools: Vec<ThreadPool> = thread_counts().into_iter().map(ThreadPool::new).collect();
+    let wf: Vec<f32> = random_floats(PROMPT_N * PROMPT_K, 0x4528_21e6_38d0_1377)
+        .iter()
+        .map(|v| v / (PROMPT_K as f32).sqrt())
+        .collect();
+    let x = random_floats(PROMPT_TOKENS * PROMPT_K, 0xbe54_66cf_34e9_0c6c);
+    let imatrix = vec![1.0f32; PROMPT_K];
+    let mut y = vec![0f32; PROMPT_TOKENS * PROMPT_N];
+    let flop = 2 * PROMPT_TOKENS * PROMPT_N * PROMPT_K;
+    let mut group = c.benchmark_group("prompt");
+    for &t in TYPES {
+        let im = t.requires_imatrix().then_some(&imatrix[..]);
+        let w = quantize(t, &wf, PROMPT_K, im).expect("quantize the weight");
+        let weight = QuantWeight::new(&w, t, PROMPT_N, PROMPT_K).expect("a valid weight matrix");
+        configure(&mut group, flop);
+        let case = format!("prompt/{t}");
+        for pool in &pools {
+            let threads = pool.n_threads();
+            group.bench_function(BenchmarkId::new(t.name(), format!("{threads}t")), |b| {
+                timed(b, &case, threads, flop, || {
                     weight
                         .matmul(pool, black_box(&x), &mut y)
                         .expect("shapes match");
@@ -359,7 +401,7 @@ fn summary() {
             .find(|r| r.case == "bandwidth/read" && r.threads == threads)
             .map(gbps)
     };
-    println!("\nsummary: bytes read per second; GEMV as a fraction of the read probe at the same thread count");
+    println!("\nsummary: bytes read per second (prompt: GFLOP/s); GEMV as a fraction of the read probe at the same thread count");
     println!(
         "{:<16} {:>7} {:>8} {:>9}",
         "case", "threads", "GB/s", "of probe"
@@ -367,6 +409,7 @@ fn summary() {
     for r in records.iter() {
         let rate = gbps(r);
         let fraction = match probe(r.threads) {
+            _ if r.case.starts_with("prompt/") => "-".to_string(),
             Some(p) if r.case != "bandwidth/read" => format!("{:.0}%", 100.0 * rate / p),
             _ => "-".to_string(),
         };
@@ -385,7 +428,7 @@ criterion_group! {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = bandwidth, gemv, moe
+    targets = bandwidth, gemv, moe, prompt
 }
 
 // criterion_main! with the summary after criterion's own report.

@@ -984,63 +984,43 @@ FT_EXPORT int32_t ft_cuda_kernel_for(int32_t device, int32_t type, int64_t n_tok
     return kernel_for_locked(device, t, n_tokens);
 }
 
-FT_EXPORT int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args) {
+// Every kernel entry point: one call at a time (the library's state is shared), and the
+// argument struct checked by its size before any field is read.
+template <typename Args>
+static int32_t checked_call(const char *what, const Args *args, int32_t (*body)(const Args &)) {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_matmul_args)) {
-        return fail(FT_CUDA_EINVAL, "expert_matmul: null or wrong struct_size (want %zu)", sizeof(ft_cuda_matmul_args));
+    if (args == nullptr || args->struct_size != sizeof(Args)) {
+        return fail(FT_CUDA_EINVAL, "%s: null or wrong struct_size (want %zu)", what, sizeof(Args));
     }
-    return expert_matmul_locked(*args);
+    return body(*args);
+}
+
+FT_EXPORT int32_t ft_cuda_expert_matmul(const ft_cuda_matmul_args *args) {
+    return checked_call("expert_matmul", args, expert_matmul_locked);
 }
 
 FT_EXPORT int32_t ft_cuda_moe_layer(const ft_cuda_moe_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_moe_args)) {
-        return fail(FT_CUDA_EINVAL, "moe_layer: null or wrong struct_size (want %zu)", sizeof(ft_cuda_moe_args));
-    }
-    return moe_layer_locked(*args);
+    return checked_call("moe_layer", args, moe_layer_locked);
 }
 
-FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }
-
 FT_EXPORT int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_handoff_args)) {
-        return fail(FT_CUDA_EINVAL, "handoff: null or wrong struct_size (want %zu)", sizeof(ft_cuda_handoff_args));
-    }
-    return handoff_locked(*args);
+    return checked_call("handoff", args, handoff_locked);
 }
 
 FT_EXPORT int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_handoff_routes_args)) {
-        return fail(FT_CUDA_EINVAL, "handoff_routes: null or wrong struct_size (want %zu)",
-                    sizeof(ft_cuda_handoff_routes_args));
-    }
-    return handoff_routes_locked(*args);
+    return checked_call("handoff_routes", args, handoff_routes_locked);
 }
 
 FT_EXPORT int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_norm_rope_args)) {
-        return fail(FT_CUDA_EINVAL, "norm_rope: null or wrong struct_size (want %zu)", sizeof(ft_cuda_norm_rope_args));
-    }
-    return norm_rope_locked(*args);
+    return checked_call("norm_rope", args, norm_rope_locked);
 }
 
 FT_EXPORT int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_attn_decode_args)) {
-        return fail(FT_CUDA_EINVAL, "attn_decode: null or wrong struct_size (want %zu)",
-                    sizeof(ft_cuda_attn_decode_args));
-    }
-    return attn_decode_locked(*args);
+    return checked_call("attn_decode", args, attn_decode_locked);
 }
 
 FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (args == nullptr || args->struct_size != sizeof(ft_cuda_topk_softmax_args)) {
-        return fail(FT_CUDA_EINVAL, "topk_softmax: null or wrong struct_size (want %zu)",
-                    sizeof(ft_cuda_topk_softmax_args));
-    }
-    return topk_softmax_locked(*args);
+    return checked_call("topk_softmax", args, topk_softmax_locked);
 }
+
+FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }

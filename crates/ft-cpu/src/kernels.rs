@@ -18,10 +18,12 @@
 //! differently), use ggml's kernel row by row.
 
 use crate::isa::{cpu_isa, CpuIsa};
-use freetoken_ggml::{Result, VecDot};
+use freetoken_ggml::{GgmlType, Result, VecDot};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_gemm;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
 
@@ -86,6 +88,17 @@ type GroupFn = unsafe fn(
     out: &mut [[f32; GROUP]],
 );
 
+/// Rows of one group of the interleaved tiled kernels.
+const GEMM_ROWS: usize = 8;
+
+/// Tokens from which a call's rows go through the interleaved tiled kernel, where the type and
+/// level have one: its repacking of the rows is shared by the tokens.
+pub(crate) const GEMM_MIN_TOKENS: usize = 8;
+
+/// `out[t * n + r]` = row r of `w` (n rows of `rb` bytes, a multiple of [`GEMM_ROWS`])
+/// against token t's activation row `acts[t]`, each `blocks` 32-value blocks.
+type GemmFn = fn(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]);
+
 /// A weight type's group kernels on this CPU: one per [`TILES`] size, and one for a single
 /// token where it beats ggml's row kernel (tokens left over go one by one).
 #[derive(Clone, Copy)]
@@ -99,6 +112,7 @@ struct GroupFns {
 pub(crate) struct RowDots {
     kernel: VecDot,
     group: Option<GroupFns>,
+    gemm: Option<GemmFn>,
 }
 
 impl RowDots {
@@ -120,14 +134,38 @@ impl RowDots {
             #[cfg(not(target_arch = "x86_64"))]
             _ => None,
         };
-        RowDots { kernel, group }
+        let gemm = match level {
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 if kernel.act_type() == GgmlType::Q8_0 => match kernel.weight_type() {
+                GgmlType::Q4_0 => Some(avx2_gemm::gemm_fn(avx2_gemm::Q4)),
+                GgmlType::Q5_0 => Some(avx2_gemm::gemm_fn(avx2_gemm::Q5)),
+                _ => None,
+            },
+            _ => None,
+        };
+        RowDots {
+            kernel,
+            group,
+            gemm,
+        }
+    }
+
+    /// The rows, of `rows` from the first, that [`RowDots::dots`] computes through the
+    /// interleaved tiled kernel for `tokens` activation rows (the others through the group
+    /// kernels or ggml's, bit-identical to ggml's row kernel).
+    pub(crate) fn gemm_rows(&self, tokens: usize, rows: usize) -> usize {
+        match self.gemm {
+            Some(_) if tokens >= GEMM_MIN_TOKENS => rows / GEMM_ROWS * GEMM_ROWS,
+            _ => 0,
+        }
     }
 
     /// `out[t * n + i]` = row i of `w` (n consecutive rows) . `acts[t]`, where each `acts[t]`
     /// holds one or more quantized rows of one activation ([`crate::acts::ActCodec`]'s passes,
     /// the same number for all) and the result is the sum over them; with one pass each value
-    /// is exactly what `VecDot::dot` gives for that row, and with several the passes' values
-    /// added in order.
+    /// is exactly what `VecDot::dot` gives for that row (but for the first
+    /// [`RowDots::gemm_rows`], which are within the bound `avx2_gemm` states), and with several
+    /// the passes' values added in order.
     pub(crate) fn dots(&self, w: &[u8], acts: &[&[u8]], out: &mut [f32]) {
         let (ab, rb) = (self.kernel.act_row_bytes(), self.kernel.weight_row_bytes());
         let passes = acts.first().map_or(1, |a| a.len() / ab);
@@ -155,40 +193,63 @@ impl RowDots {
                 }
             };
             let blocks = self.kernel.k() / 32;
-            let whole = n / GROUP * GROUP;
-            let mut t0 = 0;
-            let tiles = self.group.map(|g| g.tiles);
-            for (size, f) in TILES.into_iter().zip(tiles.into_iter().flatten()) {
-                while t0 + size <= acts.len() {
-                    let a: [*const u8; TILES[0]] =
-                        std::array::from_fn(|t| pass(t0 + t.min(size - 1)).as_ptr());
-                    let mut r = [[0f32; GROUP]; TILES[0]];
-                    for r0 in (0..whole).step_by(GROUP) {
-                        // SAFETY: GROUP rows of `rb` bytes from r0 (r0 + GROUP <= n) and `size`
-                        // activation rows of `ab` bytes (checked above), of the kernel's
-                        // types, which `group_fns` chose for this CPU.
-                        unsafe {
-                            f(
-                                w[r0 * rb..].as_ptr(),
-                                rb,
-                                &a[..size],
-                                blocks,
-                                &mut r[..size],
-                            )
-                        };
-                        for (t, v) in r[..size].iter().enumerate() {
-                            put(t0 + t, r0, v);
-                        }
-                    }
-                    for t in t0..t0 + size {
-                        self.put_rows(&w[whole * rb..], pass(t), |r0, v| put(t, whole + r0, v));
-                    }
-                    t0 += size;
+            let g = self.gemm_rows(acts.len(), n);
+            if let Some(gemm) = self.gemm.filter(|_| g > 0) {
+                let a: Vec<&[u8]> = (0..acts.len()).map(pass).collect();
+                let mut v = vec![0f32; acts.len() * g];
+                gemm(&w[..g * rb], rb, blocks, &a, &mut v);
+                for (t, v) in v.chunks_exact(g).enumerate() {
+                    put(t, 0, v);
                 }
             }
-            for t in t0..acts.len() {
-                self.put_rows(w, pass(t), |r0, v| put(t, r0, v));
+            self.group_dots(&w[g * rb..], acts.len(), pass, |t, r0, v| put(t, g + r0, v));
+        }
+    }
+
+    /// `put(t, r0, values)` for the rows of `w` from r0 on against `act(t)`, `tokens` of them,
+    /// through the group kernels (in tiles of tokens) or ggml's.
+    fn group_dots<'a>(
+        &self,
+        w: &[u8],
+        tokens: usize,
+        act: impl Fn(usize) -> &'a [u8],
+        mut put: impl FnMut(usize, usize, &[f32]),
+    ) {
+        let rb = self.kernel.weight_row_bytes();
+        let (n, blocks) = (w.len() / rb, self.kernel.k() / 32);
+        let whole = n / GROUP * GROUP;
+        let mut t0 = 0;
+        let tiles = self.group.map(|g| g.tiles);
+        for (size, f) in TILES.into_iter().zip(tiles.into_iter().flatten()) {
+            while t0 + size <= tokens {
+                let a: [*const u8; TILES[0]] =
+                    std::array::from_fn(|t| act(t0 + t.min(size - 1)).as_ptr());
+                let mut r = [[0f32; GROUP]; TILES[0]];
+                for r0 in (0..whole).step_by(GROUP) {
+                    // SAFETY: GROUP rows of `rb` bytes from r0 (r0 + GROUP <= n) and `size`
+                    // activation rows of the kernel's bytes (checked by `dots`), of the
+                    // kernel's types, which `group_fns` chose for this CPU.
+                    unsafe {
+                        f(
+                            w[r0 * rb..].as_ptr(),
+                            rb,
+                            &a[..size],
+                            blocks,
+                            &mut r[..size],
+                        )
+                    };
+                    for (t, v) in r[..size].iter().enumerate() {
+                        put(t0 + t, r0, v);
+                    }
+                }
+                for t in t0..t0 + size {
+                    self.put_rows(&w[whole * rb..], act(t), |r0, v| put(t, whole + r0, v));
+                }
+                t0 += size;
             }
+        }
+        for t in t0..tokens {
+            self.put_rows(w, act(t), |r0, v| put(t, r0, v));
         }
     }
 
@@ -383,25 +444,75 @@ mod tile_tests {
     use super::*;
     use freetoken_ggml::quantize;
 
+    /// An fp16 value.
+    fn fp16(bits: u16) -> f64 {
+        let (exp, mant) = (i32::from(bits >> 10 & 0x1f), f64::from(bits & 0x3ff));
+        assert!(exp < 31, "a finite scale");
+        let v = if exp == 0 {
+            mant * 2f64.powi(-24)
+        } else {
+            (1024.0 + mant) * 2f64.powi(exp - 25)
+        };
+        if bits >> 15 == 1 {
+            -v
+        } else {
+            v
+        }
+    }
+
+    /// The bound `avx2_gemm` derives on its distance from ggml's row kernel, for a Q4_0 or
+    /// Q5_0 row against a Q8_0 activation row: 2 gamma_(blocks + 3) x the sum over blocks of
+    /// |fl(d_w d_a)| x sum_i |w_i a_i|, the values decoded here from the formats.
+    fn gemm_bound(t: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+        let wb = t.type_size();
+        let blocks = a.len() / 34;
+        let mut total = 0f64;
+        for (x, y) in w.chunks_exact(wb).zip(a.chunks_exact(34)) {
+            let scale = |p: &[u8]| fp16(u16::from_le_bytes([p[0], p[1]]));
+            let dd = (scale(x) as f32 * scale(y) as f32).abs() as f64;
+            let (qs, fifth, offset) = match t {
+                GgmlType::Q5_0 => (&x[6..22], u32::from_le_bytes([x[2], x[3], x[4], x[5]]), 16),
+                _ => (&x[2..18], 0, 8),
+            };
+            let sum: f64 = (0..32)
+                .map(|i| {
+                    let nibble = if i < 16 { qs[i] & 0xf } else { qs[i - 16] >> 4 };
+                    let v = i32::from(nibble) | ((fifth >> i & 1) as i32) << 4;
+                    f64::from(((v - offset) * i32::from(y[2 + i] as i8)).abs())
+                })
+                .sum();
+            total += dd * sum;
+        }
+        let nu = (blocks + 3) as f64 * 2f64.powi(-24);
+        (2.0 * nu / (1.0 - nu) * total) as f32
+    }
+
+    /// Tokens per call: one, the tiles and their neighbours, tiles with every tail, 64.
+    const TOKEN_COUNTS: [usize; 11] = [1, 2, 3, 4, 7, 8, 9, 13, 19, 33, 64];
+
     /// Every (token, row) of `dots` over many tokens, on quantized and on random blocks, is
-    /// ggml's own dot product, bit for bit: tiles of tokens, groups of rows and both kinds of
-    /// tails; with two passes per token, the two passes' products added.
+    /// ggml's own dot product, bit for bit (the interleaved tiled kernel's rows: within its
+    /// bound): tiles of tokens, groups of rows and both kinds of tails, at K of one block and
+    /// of three (an odd count: the table types' scalar tail); with two passes per token, the
+    /// two passes' products added.
     #[test]
     fn tokens_times_rows_equal_ggml_bit_for_bit() {
-        let k = 96;
-        for t in super::tests::GROUP_TYPES {
-            let k = if t.block_size() == 32 { k } else { 256 };
+        for (t, blocks) in super::tests::GROUP_TYPES
+            .into_iter()
+            .flat_map(|t| [1, 3].map(|b| (t, b)))
+        {
+            let k = blocks * t.block_size();
             let kernel = VecDot::new(t, k).unwrap();
             let (ab, rb) = (kernel.act_row_bytes(), kernel.weight_row_bytes());
-            let wf: Vec<f32> = (0..11 * k)
+            let wf: Vec<f32> = (0..17 * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 40.0)
                 .collect();
             let flat = vec![1f32; k]; // the IQ types need an importance matrix
             let quantized = quantize(t, &wf, k, t.requires_imatrix().then_some(&flat[..])).unwrap();
-            let random = super::tests::random_blocks(t, 11, k, 5);
+            let random = super::tests::random_blocks(t, 17, k, 5);
             for ((w, n_tok), level) in [&quantized, &random]
                 .into_iter()
-                .flat_map(|w| [1, 2, 3, 4, 7, 8, 9, 13, 19, 33].map(|n| (w, n)))
+                .flat_map(|w| TOKEN_COUNTS.map(|n| (w, n)))
                 .flat_map(|c| super::tests::levels().map(move |l| (c, l)))
             {
                 let dots = RowDots::with_isa(kernel, level);
@@ -412,7 +523,7 @@ mod tile_tests {
                         .collect();
                     kernel.quantize_act(&x, a).unwrap();
                 }
-                for n_rows in [1, 4, 5, 11] {
+                for n_rows in [1, 4, 5, 11, 17] {
                     let w = &w[..n_rows * rb];
                     let one: Vec<&[u8]> = acts.chunks_exact(ab).collect();
                     let mut got = vec![f32::NAN; n_tok * n_rows];
@@ -424,15 +535,40 @@ mod tile_tests {
                     let two: Vec<&[u8]> = two.iter().map(Vec::as_slice).collect();
                     let mut sum = vec![f32::NAN; n_tok * n_rows];
                     dots.dots(w, &two, &mut sum);
-                    for tok in 0..n_tok {
-                        for r in 0..n_rows {
-                            let row = &w[r * rb..(r + 1) * rb];
-                            let want = kernel.dot(row, one[tok]).unwrap();
-                            let v = got[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} {tok} row {r}");
-                            let want = want + kernel.dot(row, one[(tok + 1) % n_tok]).unwrap();
-                            let v = sum[tok * n_rows + r];
-                            assert_eq!(v.to_bits(), want.to_bits(), "{t} {level:?} 2 {tok} {r}");
+                    let case = format!("{t} {level:?} k={k}, {n_tok} tokens, {n_rows} rows");
+                    let want: Vec<f32> = (0..n_tok * n_rows)
+                        .map(|i| {
+                            let (tok, r) = (i / n_rows, i % n_rows);
+                            kernel.dot(&w[r * rb..(r + 1) * rb], one[tok]).unwrap()
+                        })
+                        .collect();
+                    // The interleaved tiled kernel's rows: within the bound it states, of
+                    // each pass (and the sum's rounding).
+                    let g = dots.gemm_rows(n_tok, n_rows);
+                    let bound = |i: usize| {
+                        let (tok, r) = (i / n_rows, i % n_rows);
+                        gemm_bound(t, &w[r * rb..(r + 1) * rb], one[tok])
+                    };
+                    for (i, (v, want)) in got.iter().zip(&want).enumerate() {
+                        let (tok, r) = (i / n_rows, i % n_rows);
+                        if r < g {
+                            let err = (v - want).abs();
+                            assert!(err <= bound(i), "{case}: token {tok} row {r}: {v} {want}");
+                        } else {
+                            assert_eq!(v.to_bits(), want.to_bits(), "{case}: token {tok} row {r}");
+                        }
+                    }
+                    for (i, v) in sum.iter().enumerate() {
+                        let (tok, r) = (i / n_rows, i % n_rows);
+                        let next = (tok + 1) % n_tok * n_rows + r;
+                        let want_sum = want[i] + want[next];
+                        if r < g {
+                            let err = (v - want_sum).abs();
+                            let b = bound(i) + bound(next) + v.abs() * f32::EPSILON / 2.0;
+                            assert!(err <= b, "{case}, 2 passes: {tok} {r}: {v} {want_sum}");
+                        } else {
+                            let (v, w) = (v.to_bits(), want_sum.to_bits());
+                            assert_eq!(v, w, "{case}, 2 passes: {tok} {r}");
                         }
                     }
                 }
@@ -447,14 +583,16 @@ mod dispatch_tests {
     use freetoken_ggml::GgmlType;
 
     /// The types with group kernels at the AVX2 level.
-    const AVX2_TYPES: [GgmlType; 7] = [
+    const AVX2_TYPES: [GgmlType; 9] = [
         GgmlType::Q4_0,
         GgmlType::Q5_0,
         GgmlType::Q8_0,
         GgmlType::IQ4_NL,
         GgmlType::MXFP4,
         GgmlType::Q4_K,
+        GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
     ];
 
     /// The tests above compare the group kernels only where they run: say where that is.

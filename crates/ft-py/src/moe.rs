@@ -626,9 +626,9 @@ impl PyMoeExecutor {
         };
         let job = move || -> Result<()> {
             // SAFETY: the ticket holds every array until the job is done; the block is
-            // shared with the GPU through whole-word atomics, `resident` is not written while
-            // serving, and `out` is disjoint from the rest (checked above).
-            let (hb, resident) = unsafe { (HandoffBlock::from_raw(vb.addr())?, vres.slice()) };
+            // shared with the GPU through whole-word atomics, and `out` is disjoint from the
+            // rest (checked above).
+            let hb = unsafe { HandoffBlock::from_raw(vb.addr())? };
             let mut routes = vec![0i32; per_layer];
             hb.serve(|r| {
                 if r.layer >= n_layers || r.n_tokens == 0 || r.n_tokens > max_tokens {
@@ -651,7 +651,11 @@ impl PyMoeExecutor {
                         vout.sub(0, rows)?.slice_mut(),
                     )
                 };
-                let row = &resident[r.layer * n_experts..(r.layer + 1) * n_experts];
+                // SAFETY: the engine writes a layer's row of `resident` only while none of
+                // that layer's requests is being answered (a step marks the experts it
+                // fetches before the layer's request: engine/hybrid.py), and this view of
+                // the row lives for one answer.
+                let row = unsafe { vres.sub(r.layer * n_experts, n_experts)?.slice() };
                 if missed_routes(req, row, &mut routes[..n])? == 0 {
                     // Every route hit a slot: zeros, without waking the pool.
                     out.fill(0.0);

@@ -5,9 +5,13 @@ A record holds the counts since the previous record: per MoE layer the routes, t
 from a GPU slot (``gpu_routes``; every route of a layer with slots under ``gpu`` and
 ``offload``, none on the CPU executor) and of those the ones whose expert was seeded from the
 plan or profile (``seeded_hits``) or filled in later (``filled_hits``, hybrid only), the
-routes the CPU computed, the hit rate; the bytes uploaded into slots, the fills and swaps
-(hybrid); and each layer's resident expert ids at the end (hybrid). With concurrent server
-requests the counts since the previous record go to the request that finished.
+routes computed on the GPU on experts uploaded for their step only (``fetched_routes``,
+hybrid), the routes the CPU computed, the hit rate; the bytes uploaded to the GPU, the fills
+and swaps (hybrid); each layer's resident expert ids at the end (hybrid); and per step size
+(``fetch``, hybrid: ``"1"``, ``"2-4"``, ... tokens a step) the split steps, the routes
+uploaded and computed on the GPU for that step against those computed on the CPU, the
+expert bytes each side read and the seconds each took. With concurrent server requests the
+counts since the previous record go to the request that finished.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ def expert_counters(model: Any, placement: Any) -> dict[str, Any]:
             entry["gpu_routes"] = int(stats.hits[i])
             entry["seeded_hits"] = int(stats.seeded_hits[i])
             entry["filled_hits"] = int(stats.filled_hits[i])
-        out |= {"fills": stats.fills, "swaps": stats.swaps}
+            entry["fetched_routes"] = int(stats.fetched[i])
+        out |= {"fills": stats.fills, "swaps": stats.swaps, "fetch": stats.fetch}
         out["resident"] = {str(li): r for li, r in zip(stats.layers, stats.resident, strict=True)}
     if experts is not None and hasattr(experts, "uploaded_bytes"):
         out["uploaded_bytes"] = int(experts.uploaded_bytes)
@@ -62,7 +67,7 @@ def _delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     for li, c in now["layers"].items():
         b = before["layers"].get(li, {})
         d = {k: v - b.get(k, 0) for k, v in c.items()}
-        d["cpu_routes"] = d["routes"] - d["gpu_routes"]
+        d["cpu_routes"] = d["routes"] - d["gpu_routes"] - d.get("fetched_routes", 0)
         d["hit_rate"] = d["gpu_routes"] / d["routes"] if d["routes"] else None
         layers.append({"layer": li, **d})
     out: dict[str, Any] = {"layers": layers}
@@ -74,6 +79,13 @@ def _delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
             out[key] = now[key] - before.get(key, 0)
     if "resident" in now:
         out["resident"] = now["resident"]
+    if "fetch" in now:
+        old = before.get("fetch", {})
+        out["fetch"] = {
+            size: {f: v - old.get(size, {}).get(f, 0) for f, v in c.items()}
+            for size, c in now["fetch"].items()
+            if c["steps"] != old.get(size, {}).get("steps", 0)
+        }
     return out
 
 

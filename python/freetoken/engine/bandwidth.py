@@ -16,6 +16,9 @@ measured together, the GPU on the first of them:
    all of them captured as one CUDA graph and replayed; the k experts read per call.
 4. ``cpu_t1_with_gpu`` / ``gpu_t1_with_cpu``: (1) at T=1 in a background thread while (3)
    runs, each one's bandwidth while the other runs.
+5. ``cpu_t1_with_pcie`` / ``pcie_expert_with_cpu``: the same with (2)'s one-expert copies,
+   both links busy at once (host memory serves both): what a step that uploads part of its
+   misses while the CPU computes the rest gets from each (engine/fetch.py).
 
 From them, the fetch rule: fetch a missed expert over PCIe instead of computing it on the
 CPU when ``expected_reuse * B_pcie > B_cpu``, so the break-even reuse is ``B_cpu / B_pcie``
@@ -50,12 +53,12 @@ __all__ = [
     "CpuLoop",
     "GpuLoop",
     "LayerKind",
+    "PcieLoop",
     "Rate",
     "gpu_device",
     "group_layers",
     "measure_kind",
     "measure_model",
-    "pcie_rates",
     "route_table",
     "run_together",
 ]
@@ -222,35 +225,38 @@ def _host_sources(ex: ExpertLayer, owner: object) -> tuple[list[torch.Tensor], s
     return pinned, "pinned-buffer"
 
 
-def pcie_rates(ex: ExpertLayer, device: torch.device, seconds: float) -> tuple[Rate, Rate, str]:
-    """Host-to-GPU copies of ``ex``'s experts: one expert per copy (three copies, gate, up
-    and down, per expert, through all experts) and the whole layer per copy; and where the
-    source was (:func:`_host_sources`)."""
+class PcieLoop:
+    """Host-to-GPU copies of ``ex``'s experts into a device tensor: one expert per copy
+    (three copies, gate, up and down, per expert, through all experts) or the whole layer per
+    copy. The sources are page-locked for as long as the loop lives (:func:`_host_sources`;
+    ``where`` says which kind)."""
 
-    class _Owner:
-        """Holds the mapping's registration until the measurement is done."""
+    def __init__(self, ex: ExpertLayer, device: torch.device) -> None:
+        self.ex = ex
+        self.sources, self.where = _host_sources(ex, self)
+        self.dests = [torch.empty_like(s, device=device) for s in self.sources]
+        self._bulk()
 
-    owner = _Owner()
-    sources, where = _host_sources(ex, owner)
-    dests = [torch.empty_like(s, device=device) for s in sources]
-    sizes = [m.nbytes for m in ex.kinds]
-    e = ex.n_experts
-
-    def per_expert() -> tuple[int, int, int]:
+    def _per_expert(self) -> tuple[int, int, int]:
+        ex, e = self.ex, self.ex.n_experts
         for i in range(e):
-            for src, dst, n in zip(sources, dests, sizes, strict=True):
+            for src, dst, m in zip(self.sources, self.dests, ex.kinds, strict=True):
+                n = m.nbytes
                 dst[i * n : (i + 1) * n].copy_(src[i * n : (i + 1) * n], non_blocking=True)
         return e * ex.expert_nbytes, 3 * e, e
 
-    def bulk() -> tuple[int, int, int]:
-        for src, dst in zip(sources, dests, strict=True):
+    def _bulk(self) -> tuple[int, int, int]:
+        for src, dst in zip(self.sources, self.dests, strict=True):
             dst.copy_(src, non_blocking=True)
-        return e * ex.expert_nbytes, 3, e
+        return self.ex.n_experts * self.ex.expert_nbytes, 3, self.ex.n_experts
 
-    bulk()
-    rates = _event_timed(per_expert, seconds), _event_timed(bulk, seconds)
-    del owner  # unregisters the mapping
-    return rates[0], rates[1], where
+    def measure(self, seconds: float, stop: threading.Event | None = None) -> Rate:
+        """One expert per copy for ``seconds`` (or until ``stop``)."""
+        return _event_timed(self._per_expert, seconds, stop)
+
+    def measure_bulk(self, seconds: float) -> Rate:
+        """One layer per copy for ``seconds``."""
+        return _event_timed(self._bulk, seconds)
 
 
 def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -317,9 +323,10 @@ class GpuLoop:
         return _event_timed(replay, seconds, stop)
 
 
-def run_together(cpu: CpuLoop, gpu_loop: GpuLoop, seconds: float) -> tuple[Rate, Rate]:
-    """(4): the CPU loop in a background thread while the GPU loop runs for ``seconds``;
-    each one's rate over the same span."""
+def run_together(cpu: CpuLoop, other: GpuLoop | PcieLoop, seconds: float) -> tuple[Rate, Rate]:
+    """(4), (5): the CPU loop in a background thread while the other loop (the GPU kernels,
+    or one-expert copies over PCIe) runs for ``seconds``; each one's rate over the same
+    span."""
     stop = threading.Event()
     result: dict[str, Any] = {}
 
@@ -332,13 +339,13 @@ def run_together(cpu: CpuLoop, gpu_loop: GpuLoop, seconds: float) -> tuple[Rate,
     thread = threading.Thread(target=background, name="ft-bench-bw-cpu")
     thread.start()
     try:
-        gpu_rate = gpu_loop.measure(seconds)
+        other_rate = other.measure(seconds)
     finally:
         stop.set()
         thread.join()
     if "error" in result:
         raise result["error"]
-    return result["rate"], gpu_rate
+    return result["rate"], other_rate
 
 
 # -- the whole model --------------------------------------------------------------------------
@@ -378,13 +385,17 @@ def _break_even(b_cpu: float, b_pcie: float | None) -> float | None:
 def _gpu_part(
     cpu: CpuLoop, ex: ExpertLayer, device: torch.device, seconds: float
 ) -> dict[str, Any]:
-    """(2), (3) and (4) for one kind; ``gpu_detail`` says why the kernels were skipped."""
-    per_expert, bulk, where = pcie_rates(ex, device, seconds)
+    """(2) to (5) for one kind; ``gpu_detail`` says why the kernels were skipped."""
+    pcie = PcieLoop(ex, device)
     out: dict[str, Any] = {
-        "pcie_expert": per_expert.to_json(),
-        "pcie_bulk": bulk.to_json(),
-        "pcie_source": where,
+        "pcie_expert": pcie.measure(seconds).to_json(),
+        "pcie_bulk": pcie.measure_bulk(seconds).to_json(),
+        "pcie_source": pcie.where,
     }
+    cpu_rate, pcie_rate = run_together(cpu, pcie, seconds)
+    out["cpu_t1_with_pcie"] = cpu_rate.to_json()
+    out["pcie_expert_with_cpu"] = pcie_rate.to_json()
+    del pcie  # unregisters the mapping
     if not gpu_servable(ex):
         out["gpu_detail"] = "no GPU kernel for this layer (types, activation or biases)"
         return out
@@ -421,7 +432,16 @@ def measure_kind(
         "cpu_t8": CpuLoop(executor, counters, layers, BATCH_TOKENS).measure(seconds).to_json(),
     }
     entry |= dict.fromkeys(
-        ("pcie_expert", "pcie_bulk", "pcie_source", "gpu_t1", "cpu_t1_with_gpu", "gpu_t1_with_cpu")
+        (
+            "pcie_expert",
+            "pcie_bulk",
+            "pcie_source",
+            "cpu_t1_with_pcie",
+            "pcie_expert_with_cpu",
+            "gpu_t1",
+            "cpu_t1_with_gpu",
+            "gpu_t1_with_cpu",
+        )
     )
     entry["gpu_detail"] = None
     if device is not None:
@@ -434,6 +454,11 @@ def measure_kind(
     b_pcie = entry["pcie_expert"]["gbps"] if entry["pcie_expert"] else None
     entry["b_cpu_gbps"], entry["b_pcie_gbps"] = b_cpu, b_pcie
     entry["b_gpu_gbps"] = entry["gpu_t1"]["gbps"] if entry["gpu_t1"] else None
+    for name, rate in (
+        ("b_cpu_with_pcie_gbps", "cpu_t1_with_pcie"),
+        ("b_pcie_with_cpu_gbps", "pcie_expert_with_cpu"),
+    ):
+        entry[name] = entry[rate]["gbps"] if entry[rate] else None
     entry["break_even_reuse"] = _break_even(b_cpu, b_pcie)
     return entry
 

@@ -18,11 +18,13 @@ import logging
 import os
 import platform
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from freetoken.errors import InvalidInputError
 from freetoken.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -136,6 +138,10 @@ class KindBandwidth:
     """The GPU expert kernels' on resident experts, one token."""
     break_even_reuse: float | None
     """``B_cpu / B_pcie``; None without a GPU."""
+    b_cpu_with_pcie_gbps: float | None = None
+    """The CPU expert executor's while one-expert copies run over PCIe (both links busy)."""
+    b_pcie_with_cpu_gbps: float | None = None
+    """One-expert copies' while the CPU expert executor runs."""
 
     def should_fetch(self, expected_reuse: float) -> bool:
         """Whether a missed expert expected to be used ``expected_reuse`` times (this miss
@@ -158,6 +164,25 @@ class BandwidthProfile:
 
         return self.kinds.get(LayerKind.of(ex).key)
 
+    def for_layers(self, layers: Sequence[ExpertLayer]) -> dict[int, KindBandwidth]:
+        """Each layer's own kind's figures, by layer index; InvalidInputError naming the
+        first layer whose kind this profile has not measured (``bench-bw`` measures every
+        kind of the model it runs on, so that runs on this model fills the gap)."""
+        from freetoken.engine.bandwidth import LayerKind
+
+        out: dict[int, KindBandwidth] = {}
+        for ex in layers:
+            key = LayerKind.of(ex).key
+            kind = self.kinds.get(key)
+            if kind is None:
+                raise InvalidInputError(
+                    f"bandwidth profile {self.path} has no entry for layer {ex.index}'s kind "
+                    f"{key!r} (it has {', '.join(map(repr, self.kinds)) or 'none'}): run "
+                    "`freetoken bench-bw -m MODEL.gguf` on this model"
+                )
+            out[ex.index] = kind
+        return out
+
 
 def _kind(key: str, entry: dict[str, Any]) -> KindBandwidth:
     def opt(name: str) -> float | None:
@@ -171,6 +196,8 @@ def _kind(key: str, entry: dict[str, Any]) -> KindBandwidth:
         b_pcie_gbps=opt("b_pcie_gbps"),
         b_gpu_gbps=opt("b_gpu_gbps"),
         break_even_reuse=opt("break_even_reuse"),
+        b_cpu_with_pcie_gbps=opt("b_cpu_with_pcie_gbps"),
+        b_pcie_with_cpu_gbps=opt("b_pcie_with_cpu_gbps"),
     )
 
 

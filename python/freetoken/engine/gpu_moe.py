@@ -30,7 +30,7 @@ import torch
 from freetoken import _core
 from freetoken.errors import InvalidInputError
 from freetoken.runtime import gpu
-from freetoken.runtime.moe import MoeFFN, run_experts
+from freetoken.runtime.moe import CpuExperts, MoeFFN
 from freetoken.runtime.routing import Routing, route
 from freetoken.runtime.slots import CachePlan, LayerSpec, SlotCache, Upload
 
@@ -450,21 +450,12 @@ class GpuExperts:
         return self.experts.launch(self.ex, x, ids, weights)
 
 
-class HostExperts:
+class HostExperts(CpuExperts):
     """The expert backend of a MoE layer that the GPU does not serve, in a model on the GPU:
     routing on the device, the routed experts on the CPU executor, activations to the host
     and back (no graph capture for such models)."""
 
-    def __init__(self, executor: _core.MoeExecutor) -> None:
-        self.executor = executor
-
-    def route(
-        self, logits: torch.Tensor, routing: Routing, selection_bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(logits, routing, selection_bias)
-
     def run(
         self, layer: _core.MoeLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        out = run_experts(self.executor, layer, x.cpu(), ids.cpu(), weights.cpu())
-        return out.to(x.device)
+        return super().run(layer, x.cpu(), ids.cpu(), weights.cpu()).to(x.device)

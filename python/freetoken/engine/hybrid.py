@@ -19,10 +19,19 @@ table a step before its copy starts and its new expert put in only once the copy
 finished, so no step reads a slot being written. Steps of many tokens (prefill chunks)
 split the same way unless the bandwidth profile (``freetoken bench-bw``) says that streaming
 the whole layer over PCIe is cheaper than computing the misses on the CPU.
+
+In a split step of several tokens (concurrent decode, prompt chunks) each layer also uploads
+a share of its missed experts into a staging buffer outside the pools and computes them on
+the GPU while the CPU computes the rest, both links busy (:mod:`freetoken.engine.fetch`
+chooses the share from the layer kind's bench-bw figures, or ``--moe-fetch-share`` forces
+it). The layer's routes are read back first, so such steps run eagerly; the fetched
+experts are marked in the host's table only (the CPU skips them, the device table still
+sends them to the pool's zeroed slots) until the step ends.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -33,12 +42,21 @@ import numpy as np
 import torch
 
 from freetoken import _core
+from freetoken.engine.bandwidth_profile import KindBandwidth
+from freetoken.engine.fetch import (
+    FETCH_OVERHEAD_S,
+    FetchChoice,
+    Links,
+    choose_fetch,
+    step_bucket,
+)
 from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
     OffloadExperts,
     PinnedExperts,
     Pools,
+    _pools,
     clear_last_cuda_error,
     unregister_host_memory,
 )
@@ -47,23 +65,39 @@ from freetoken.runtime import gpu
 from freetoken.runtime.moe import run_experts
 from freetoken.runtime.slots import CachePlan, SlotCache, Upload
 
-__all__ = ["HybridExperts", "HybridStats", "MappedHost"]
+__all__ = ["FETCH_FIELDS", "HybridExperts", "HybridStats", "MappedHost"]
+
+log = logging.getLogger("freetoken")
 
 # The hand-off block's words (cuda/include/freetoken_cuda.h, FT_CUDA_HANDOFF_*).
 WORDS = _core.HANDOFF_WORDS
 TIMEOUT, STOP = _core.HANDOFF_TIMEOUT, _core.HANDOFF_STOP
 ANSWERED, BUSY_NS = _core.HANDOFF_ANSWERED, _core.HANDOFF_BUSY_NS
-#: Most tokens a step splits between the GPU and the CPU (rows of the hand-off buffers).
-MAX_TOKENS = 256
+#: Most tokens a step splits between the GPU and the CPU (rows of the hand-off buffers): a
+#: server step of a 256-token prompt chunk and the decode tokens of its running streams.
+MAX_TOKENS = 512
 #: How long the GPU waits for one answer before giving up (the step then fails).
 TIMEOUT_S = 60.0
 #: Experts uploaded per step into free slots, and over residents once a pool is full
 #: (``--moe-cache-adaptive``): uploads read host memory the CPU executor needs too.
 FILLS_PER_STEP = 32
 SWAPS_PER_STEP = 16
-#: Bandwidths assumed without a ``bench-bw`` profile, GB/s (CPU expert kernels, PCIe).
-DEFAULT_B_CPU, DEFAULT_B_PCIE = 50.0, 25.0
 SEEDED, FILLED = 1, 2  # origin of a resident expert
+#: The host table's entry of an expert fetched into staging for the current step: the CPU
+#: skips it as it skips a resident (any slot >= 0), the counts tell it from one.
+FETCHED = np.iinfo(np.int32).max
+#: The fetch counters kept per step size (:func:`freetoken.engine.fetch.step_bucket`): split
+#: steps, routes uploaded and computed on the GPU vs computed on the CPU, the experts' bytes
+#: each side read, the seconds the uploads took (CUDA events) and the CPU spent answering.
+FETCH_FIELDS = (
+    "steps",
+    "uploaded_routes",
+    "cpu_routes",
+    "uploaded_bytes",
+    "cpu_bytes",
+    "upload_s",
+    "cpu_s",
+)
 _REGISTER_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 _PAGE = 4096
 
@@ -98,17 +132,20 @@ class MappedHost:
 class HybridStats:
     """Counters since load: per MoE layer (model order) the routes, how many hit a slot, and
     of those how many hit an expert the pools were seeded with (a profile's) or one filled in
-    since; hand-off requests the CPU answered and the seconds it spent answering; experts
+    since, and the routes computed on the GPU on experts uploaded for their step only (not
+    hits); hand-off requests the CPU answered and the seconds it spent answering; experts
     uploaded into slots (fills of free slots, swaps over residents) and bytes uploaded
-    (seeding included); each layer's resident expert ids; the seconds the host spent between
-    steps on the slot bookkeeping and starting uploads (the GPU idles meanwhile; the policy's
-    own work overlaps the next step and is not counted)."""
+    (seeding, streaming and fetches included); each layer's resident expert ids; the
+    seconds the host spent between steps on the slot bookkeeping and starting uploads (the
+    GPU idles meanwhile; the policy's own work overlaps the next step and is not counted);
+    the fetch counters per step size."""
 
     layers: list[int]
     routes: np.ndarray
     hits: np.ndarray
     seeded_hits: np.ndarray
     filled_hits: np.ndarray
+    fetched: np.ndarray
     answered: int
     cpu_busy_s: float
     fills: int
@@ -116,6 +153,8 @@ class HybridStats:
     uploaded_bytes: int
     resident: list[list[int]]
     bookkeeping_s: float
+    fetch: dict[str, dict[str, float]]
+    """Per step size, the :data:`FETCH_FIELDS` counters."""
 
     @property
     def hit_rate(self) -> float:
@@ -132,6 +171,7 @@ class HybridStats:
             hits=self.hits - earlier.hits,
             seeded_hits=self.seeded_hits - earlier.seeded_hits,
             filled_hits=self.filled_hits - earlier.filled_hits,
+            fetched=self.fetched - earlier.fetched,
             answered=self.answered - earlier.answered,
             cpu_busy_s=self.cpu_busy_s - earlier.cpu_busy_s,
             fills=self.fills - earlier.fills,
@@ -139,6 +179,10 @@ class HybridStats:
             uploaded_bytes=self.uploaded_bytes - earlier.uploaded_bytes,
             resident=self.resident,
             bookkeeping_s=self.bookkeeping_s - earlier.bookkeeping_s,
+            fetch={
+                size: {f: v - earlier.fetch.get(size, {}).get(f, 0) for f, v in c.items()}
+                for size, c in self.fetch.items()
+            },
         )
 
 
@@ -148,9 +192,11 @@ class HybridExperts(OffloadExperts):
     ``cpu_only`` layers have no slots: every route of theirs goes through the hand-off to the
     CPU (``--moe-cpu-layers``, and experts the GPU kernels cannot serve), so steps stay
     graphs. ``policy`` is the slots' (``lru`` fills free slots only; ``adaptive`` also
-    swaps); ``bandwidth`` a :class:`~freetoken.engine.bandwidth_profile.KindBandwidth` for the
-    prefill decision, or None; ``pinned`` the layers' page-locked bytes when the caller pinned
-    them."""
+    swaps); ``bandwidth`` each pooled layer's
+    :class:`~freetoken.engine.bandwidth_profile.KindBandwidth` by layer index (the prefill and
+    fetch decisions), or None; ``fetch_share`` forces the share of a step's missed experts
+    that steps of several tokens upload (None: the fetch rule's); ``pinned`` the layers'
+    page-locked bytes when the caller pinned them."""
 
     def __init__(
         self,
@@ -159,9 +205,10 @@ class HybridExperts(OffloadExperts):
         device: torch.device,
         executor: _core.MoeExecutor,
         policy: str = "lru",
-        bandwidth: Any = None,
+        bandwidth: dict[int, KindBandwidth] | None = None,
         cpu_only: Sequence[ExpertLayer] = (),
         pinned: PinnedExperts | None = None,
+        fetch_share: float | None = None,
     ) -> None:
         served = sorted([*layers, *cpu_only], key=lambda ex: ex.index)
         first = served[0]
@@ -172,7 +219,9 @@ class HybridExperts(OffloadExperts):
         hidden, n_experts, top_k = shape
         super().__init__(layers, plan, device, policy, extra_slots=top_k, pinned=pinned)
         self.executor, self.top_k, self.policy = executor, top_k, policy
-        self.bandwidth = bandwidth
+        self.links = {ex.index: Links.of((bandwidth or {}).get(ex.index)) for ex in layers}
+        self.fetch_share = fetch_share
+        self.fetch_stream = torch.cuda.Stream(device)
         self.cpu_only = {ex.index: ex for ex in cpu_only}
         # The hand-off serves every layer, in model order (its own positions).
         self.served = [ex.index for ex in served]
@@ -192,7 +241,8 @@ class HybridExperts(OffloadExperts):
         self.block = a["block"]
         self.views = {k: torch.from_numpy(a[k]) for k in ("x", "out", "ids", "weights")}
         # expert -> slot per layer (-1: computed on the CPU), on the host for the CPU thread
-        # and on the device for the hits; both change only between steps.
+        # and on the device for the hits; both change only between steps (but for the
+        # host's FETCHED marks of a step's fetched experts).
         self.resident = np.full((n, n_experts), -1, dtype=np.int32)
         self.free: dict[int, int] = {}
         for cache, _ in self.of_layer.values():
@@ -212,13 +262,20 @@ class HybridExperts(OffloadExperts):
         # A plan's uploads, evicted from the tables, until the next step starts their copies.
         self.queued: list[tuple[SlotCache, Pools, list[Upload]]] = []
         self.ticket: Any = None
-        self.serving = self.split = False
+        self.serving = self.split = self.fetching = False
         self.n_tokens = 0
+        # This step's fetches: (position, experts) and the uploads' CUDA events.
+        self.fetched: list[tuple[int, np.ndarray]] = []
+        self.fetch_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.busy_ns = 0
+        self.fetch: dict[str, dict[str, float]] = {}
+        self.expert_nbytes = np.array([ex.expert_nbytes for ex in served], dtype=np.int64)
         self.steps = 0
         self.routes = np.zeros(n, dtype=np.int64)
         self.hits = np.zeros(n, dtype=np.int64)
         self.seeded_hits = np.zeros(n, dtype=np.int64)
         self.filled_hits = np.zeros(n, dtype=np.int64)
+        self.fetched_routes = np.zeros(n, dtype=np.int64)
         self.fills = self.swaps = 0
         self.bookkeeping_s = 0.0
         # The last step's routes (ids, hits [layers, tokens, top_k], active layers) until
@@ -227,20 +284,21 @@ class HybridExperts(OffloadExperts):
 
     # -- the step -------------------------------------------------------------------------
 
-    def begin(self, n_tokens: int) -> None:
-        """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream,
-        and starts the CPU thread when splitting."""
+    def begin(self, n_tokens: int) -> bool:
+        """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream
+        and whether layers fetch part of their misses, and starts the CPU thread when
+        splitting. Returns whether the step may replay a graph (not when it fetches)."""
         t0 = time.perf_counter()
         self._publish_uploads()
         self.bookkeeping_s += time.perf_counter() - t0
         self.n_tokens = n_tokens
-        fits = n_tokens <= MAX_TOKENS
-        self.split = fits and self._split_pays(n_tokens)
-        self.serving = fits and (self.split or bool(self.cpu_only))
+        self.split, self.fetching = self._plan_step(n_tokens)
+        self.serving = n_tokens <= MAX_TOKENS and (self.split or bool(self.cpu_only))
         if not self.serving:
-            return
+            return True
         a = self.host.arrays
         self.block[STOP] = 0
+        self.busy_ns = int(self.block[BUSY_NS])
         self.ticket = self.executor.serve_handoffs(
             [self.all_layers[li].layer for li in self.served],
             self.block,
@@ -252,6 +310,7 @@ class HybridExperts(OffloadExperts):
             MAX_TOKENS,
             self.top_k,
         )
+        return not self.fetching
 
     def end(self) -> None:
         """After a step (also one that raised): waits for the GPU and the CPU thread, raises
@@ -269,6 +328,9 @@ class HybridExperts(OffloadExperts):
             self._finish(ticket)
         finally:
             t0 = time.perf_counter()
+            for pos, experts in self.fetched:  # the CPU thread is done with the table
+                self.resident[pos, experts] = -1
+            self.fetched, self.fetch_spans = [], []
             for cache, pools, ups in plan:  # the pools are idle now, even after a failure
                 self._evict(cache, pools, ups)
             self.bookkeeping_s += time.perf_counter() - t0
@@ -301,6 +363,7 @@ class HybridExperts(OffloadExperts):
         if not self.serving:
             return self._cpu_direct(ex, x, ids, weights)
         t, pos = ids.shape[0], self.handoff_pos[ex.index]
+        fetch = self._choose_fetch(ex, pos, ids) if pooled and self.fetching else None
         v = self.views
         host = (v["x"][:t], v["ids"][pos, :t], v["weights"][pos, :t])
         cache = self.of_layer[ex.index][0] if pooled else None
@@ -321,8 +384,106 @@ class HybridExperts(OffloadExperts):
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
+        if fetch is not None:
+            self._run_fetched(ex, x, weights, out, *fetch)
         gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
+
+    def _choose_fetch(
+        self, ex: ExpertLayer, pos: int, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Which of the layer's missed experts to upload, marked in the host's table before
+        the layer's request (the CPU skips them). Reads the routes back: the layers before
+        are then done on both sides. Returns each route's staging slot (on the device) and
+        the experts (sorted), or None when nothing is fetched."""
+        host_ids = ids.cpu().numpy()
+        row, n_exp = self.resident[pos], ex.n_experts
+        flat = host_ids.ravel()
+        counts = np.bincount(flat[row[flat] < 0], minlength=n_exp)
+        missed = np.flatnonzero(counts)
+        choice = choose_fetch(
+            missed,
+            counts[missed],
+            ex.expert_nbytes,
+            self.links[ex.index],
+            share=self.fetch_share,
+            max_fetch=n_exp - self.top_k,  # staging holds n_experts slots, top_k zeroed
+            price_routes=self.n_tokens > MAX_SLOT_TOKENS,
+        )
+        self._log_choice(ex, choice)
+        if not choice.n_fetch:
+            return None
+        fetched = np.sort(choice.fetched)
+        row[fetched] = FETCHED
+        self.fetched.append((pos, fetched))
+        # Each route's staging slot: the fetched experts' in order, then the zeroed ones
+        # (copied while the stream is idle: a copy from pageable memory synchronizes).
+        n, k = len(fetched), self.top_k
+        slot_of = np.full(n_exp, -1, dtype=np.int32)
+        slot_of[fetched] = np.arange(n, dtype=np.int32)
+        slots = slot_of[host_ids]
+        staged = np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32))
+        return torch.from_numpy(staged).to(self.device), fetched
+
+    def _run_fetched(
+        self,
+        ex: ExpertLayer,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+        slots: torch.Tensor,
+        fetched: np.ndarray,
+    ) -> None:
+        """Copies the fetched experts into a staging buffer on the fetch stream (the slot
+        pool's kernels run meanwhile) and adds their routes into ``out`` once they are in;
+        the buffer's ``top_k`` slots after them are zeroed and take every other route at
+        weight 0, so a token's slots stay distinct and the launch shape is the pool's."""
+        n, k = len(fetched), self.top_k
+        buf = self.staging[self.position[ex.index] % 2]
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.fetch_stream.wait_event(buf.free)
+        with torch.cuda.stream(self.fetch_stream):
+            staged = _pools(ex, n + k, self.device, buf.memory)
+            for p in staged:
+                p.tensor[n * p.matrix_nbytes : (n + k) * p.matrix_nbytes].zero_()
+            start.record()
+            ups = [Upload(ex.index, int(e), i, None) for i, e in enumerate(fetched)]
+            self._upload(staged, ups, non_blocking=self.pinned)
+            done.record()
+            buf.ready.record(self.fetch_stream)
+        buf.layer, buf.pools = -1, None  # not a streamed layer any more
+        self.fetch_spans.append((start, done))
+        f_weights = torch.where(slots < n, weights, torch.zeros_like(weights))
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(buf.ready)
+        gpu.moe_layer(
+            *staged,
+            x,
+            slots,
+            f_weights,
+            act=ex.layer.act,
+            out=out,
+            accumulate=True,
+            check_ids=False,
+        )
+        buf.free.record(stream)
+
+    def _log_choice(self, ex: ExpertLayer, c: FetchChoice) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "hybrid layer %d, %d tokens: fetch %d of %d missed experts (share %.2f%s; "
+                "%d routes uploaded, %d on the CPU; expected %.3f ms upload, %.3f ms CPU)",
+                ex.index,
+                self.n_tokens,
+                c.n_fetch,
+                len(c.order),
+                c.share,
+                ", forced" if self.fetch_share is not None else "",
+                c.fetch_routes,
+                c.cpu_routes,
+                c.upload_s * 1e3,
+                c.cpu_s * 1e3,
+            )
 
     def _cpu_direct(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -331,23 +492,49 @@ class HybridExperts(OffloadExperts):
         out = run_experts(self.executor, ex.layer, x.cpu(), ids.cpu(), weights.cpu())
         return out.to(x.device)
 
-    def _split_pays(self, n_tokens: int) -> bool:
-        """Whether computing a layer's expected misses on the CPU beats streaming the layer
-        over PCIe (the fetch rule with the bench-bw figures; each missed route priced as one
-        expert read, which over-prices the CPU on long prompts, where it is compute-bound)."""
-        if not self.order:
-            return False  # no slots: nothing to split
-        if n_tokens <= MAX_SLOT_TOKENS:
-            return True
-        ex = self.layers[self.order[0]]
+    def _hit_rate(self) -> float:
         total = int(self.routes.sum())
-        hit = float(self.hits.sum()) / total if total else 0.0
-        b = self.bandwidth
-        b_cpu = b.b_cpu_gbps if b is not None else DEFAULT_B_CPU
-        b_pcie = b.b_pcie_gbps if b is not None and b.b_pcie_gbps else DEFAULT_B_PCIE
-        cpu_s = n_tokens * self.top_k * (1 - hit) * ex.expert_nbytes / (b_cpu * 1e9)
-        stream_s = ex.n_experts * ex.expert_nbytes / (b_pcie * 1e9)
-        return cpu_s < stream_s
+        return float(self.hits.sum()) / total if total else 0.0
+
+    def _plan_step(self, n_tokens: int) -> tuple[bool, bool]:
+        """Whether a step of ``n_tokens`` splits (else the layers stream over PCIe) and
+        whether its layers fetch part of their misses. Up to MAX_SLOT_TOKENS tokens a step
+        splits; above, when the fetch rule on each layer's expected misses (uniform routing
+        at the hit rate so far, each CPU route priced as one expert read, which over-prices
+        the CPU on long prompts) expects the split to take less than streaming the layers.
+        One-token steps never fetch; a forced share above 0 always does."""
+        if not self.order or n_tokens > MAX_TOKENS:
+            return False, False  # no slots to split over, or too long for the hand-off
+        if n_tokens == 1:
+            return True, False
+        small = n_tokens <= MAX_SLOT_TOKENS
+        if small and self.fetch_share is not None:
+            return True, self.fetch_share > 0
+        miss, k, e = 1 - self._hit_rate(), self.top_k, self.resident.shape[1]
+        n = max(1, round(e * (1 - (1 - k / e) ** n_tokens) * miss))  # distinct missed
+        routes = np.full(n, n_tokens * k * miss / n)
+        kinds: dict[tuple[Links, int], int] = {}
+        for li in self.order:
+            key = (self.links[li], self.layers[li].expert_nbytes)
+            kinds[key] = kinds.get(key, 0) + 1
+        split_s = stream_s = 0.0
+        fetch = False
+        for (links, nbytes), count in kinds.items():
+            c = choose_fetch(
+                np.arange(n),
+                routes,
+                nbytes,
+                links,
+                share=self.fetch_share,
+                max_fetch=e - k,
+                price_routes=not small,
+            )
+            fixed = FETCH_OVERHEAD_S if c.n_fetch else 0.0
+            split_s += count * (max(c.upload_s, c.cpu_s) + fixed)
+            stream_s += count * e * nbytes / (links.pcie * 1e9)
+            fetch |= c.n_fetch > 0
+        split = small or split_s < stream_s
+        return split, split and fetch
 
     def _reset(self) -> None:
         """After a failed step: both sides back to sequence 0."""
@@ -359,19 +546,63 @@ class HybridExperts(OffloadExperts):
     # -- between steps ----------------------------------------------------------------------
 
     def _account(self, t: int) -> None:
-        """The step's routes: hit counters; the routes are kept for the policy's next plan."""
+        """The step's routes: hit counters and the fetch counters of its size; the routes
+        are kept for the policy's next plan."""
         n, k = len(self.served), self.top_k
         # The layers that went through the hand-off this step (a streamed step: the
         # slotless ones only); the others' rows of `ids` are an older step's.
         active = np.array([self.split or li in self.cpu_only for li in self.served])
         ids = self.host.arrays["ids"][:, :t].reshape(n, t * k)
-        hit = (np.take_along_axis(self.resident, ids, axis=1) >= 0) & active[:, None]
+        slot = np.take_along_axis(self.resident, ids, axis=1)
+        fetched = slot == FETCHED
+        hit = (slot >= 0) & ~fetched & active[:, None]
         origin = np.take_along_axis(self.origin, ids, axis=1)
         self.routes += t * k * active
         self.hits += hit.sum(axis=1)
         self.seeded_hits += (hit & (origin == SEEDED)).sum(axis=1)
         self.filled_hits += (hit & (origin == FILLED)).sum(axis=1)
+        self.fetched_routes += fetched.sum(axis=1)
         self.last = (ids.reshape(n, t, k).copy(), hit.reshape(n, t, k), active)
+        if self.split:
+            self._count_fetch(t, ids, fetched, (slot < 0) & active[:, None])
+
+    def _count_fetch(
+        self, t: int, ids: np.ndarray, fetched: np.ndarray, on_cpu: np.ndarray
+    ) -> None:
+        """Adds a split step's routes and bytes on each side, and both sides' times, to the
+        counters of its size (and logs them with ``-v``)."""
+        n, e = ids.shape[0], self.resident.shape[1]
+        flat = ids + np.arange(n)[:, None] * e
+
+        def bytes_of(mask: np.ndarray) -> int:
+            distinct = (np.bincount(flat[mask], minlength=n * e).reshape(n, e) > 0).sum(axis=1)
+            return int(distinct @ self.expert_nbytes)
+
+        upload_s = sum(a.elapsed_time(b) for a, b in self.fetch_spans) / 1e3
+        step = {
+            "steps": 1,
+            "uploaded_routes": int(fetched.sum()),
+            "cpu_routes": int(on_cpu.sum()),
+            "uploaded_bytes": bytes_of(fetched),
+            "cpu_bytes": bytes_of(on_cpu),
+            "upload_s": upload_s,
+            "cpu_s": (int(self.block[BUSY_NS]) - self.busy_ns) / 1e9,
+        }
+        c = self.fetch.setdefault(step_bucket(t), dict.fromkeys(FETCH_FIELDS, 0))
+        for f, v in step.items():
+            c[f] += v
+        if self.fetching and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "hybrid step of %d tokens: %d routes uploaded (%.1f MiB, %.2f ms), %d on the "
+                "CPU (%.1f MiB, %.2f ms)",
+                t,
+                step["uploaded_routes"],
+                step["uploaded_bytes"] / (1 << 20),
+                upload_s * 1e3,
+                step["cpu_routes"],
+                step["cpu_bytes"] / (1 << 20),
+                step["cpu_s"] * 1e3,
+            )
 
     def _plan(self) -> list[tuple[SlotCache, Pools, list[Upload]]]:
         """The policy's bookkeeping of the last counted step's routes, and which misses to
@@ -467,6 +698,7 @@ class HybridExperts(OffloadExperts):
             hits=self.hits.copy(),
             seeded_hits=self.seeded_hits.copy(),
             filled_hits=self.filled_hits.copy(),
+            fetched=self.fetched_routes.copy(),
             answered=int(self.block[ANSWERED]),
             cpu_busy_s=int(self.block[BUSY_NS]) / 1e9,
             fills=self.fills,
@@ -474,4 +706,5 @@ class HybridExperts(OffloadExperts):
             uploaded_bytes=self.uploaded_bytes,
             resident=[np.flatnonzero(row >= 0).tolist() for row in self.resident],
             bookkeeping_s=self.bookkeeping_s,
+            fetch={size: dict(c) for size, c in self.fetch.items()},
         )

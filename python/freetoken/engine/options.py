@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from freetoken.engine.split import SPLIT_MODES, parse_tensor_split
 from freetoken.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -59,8 +60,14 @@ class EngineOptions:
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
     engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py).
+    ``moe_fetch_share``: under ``hybrid``, the share (0-1) of a layer's missed experts that
+    steps of several tokens upload and compute on the GPU, the rest computed on the CPU
+    meanwhile (None: chosen per layer and step from the bench-bw figures, engine/fetch.py).
     ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
     huge-page-backed memory (freetoken.gguf.GGUFFile).
+    ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
+    main GPU alone, or ``layer`` when proportions are given), ``--tensor-split`` proportions
+    and ``--main-gpu`` (:mod:`freetoken.engine.split`).
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
     see (runtime/kv_cache.py)."""
@@ -77,8 +84,12 @@ class EngineOptions:
     poll: int | None = None
     moe_cpu_layers: str | None = None
     moe_cache_audit: str | None = None
+    moe_fetch_share: float | None = None
     mmap: bool = True
     swa_full: bool = False
+    split_mode: str | None = None
+    tensor_split: tuple[float, ...] | None = None
+    main_gpu: int = 0
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -100,6 +111,24 @@ class EngineOptions:
             )
         if self.poll is not None and not 0 <= self.poll <= 100:
             raise InvalidInputError(f"--poll must be within 0-100, got {self.poll}")
+        if self.split_mode is not None and self.split_mode not in SPLIT_MODES:
+            raise InvalidInputError(
+                f"--split-mode {self.split_mode}: choose one of {', '.join(SPLIT_MODES)}"
+            )
+        if self.main_gpu < 0:
+            raise InvalidInputError(f"--main-gpu must be >= 0, got {self.main_gpu}")
+        if self.tensor_split is not None:
+            parse_tensor_split(",".join(map(str, self.tensor_split)))  # >= 0, not all zero
+        if self.moe_fetch_share is not None:
+            if not 0.0 <= self.moe_fetch_share <= 1.0:
+                raise InvalidInputError(
+                    f"--moe-fetch-share must be within 0-1, got {self.moe_fetch_share}"
+                )
+            if self.moe_strategy not in ("auto", "hybrid"):
+                raise InvalidInputError(
+                    "--moe-fetch-share applies to --moe-strategy hybrid (or auto), not "
+                    f"{self.moe_strategy}"
+                )
 
     @property
     def poll_us(self) -> int | None:
@@ -150,6 +179,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="append one record per generation: where each layer's routes were computed",
     )
     g.add_argument(
+        "--moe-fetch-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="hybrid, steps of several tokens: upload this share (0-1) of each layer's missed "
+        "experts to the GPU, the CPU computes the rest meanwhile (default: from bench-bw)",
+    )
+    g.add_argument(
         "--moe-cache-adaptive",
         action="store_true",
         help="evict the least used experts (aged route counts) instead of the least recent",
@@ -171,6 +208,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of the window: more memory, longer reusable prefixes",
     )
 
+    g.add_argument(
+        "-sm",
+        "--split-mode",
+        choices=SPLIT_MODES,
+        default=None,
+        help="several GPUs: none (--main-gpu alone, the default) or layer (ranges of layers)",
+    )
+    g.add_argument(
+        "-ts",
+        "--tensor-split",
+        default=None,
+        metavar="N0,N1,...",
+        help="proportions of the layers per GPU, e.g. 3,1",
+    )
+    g.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="INDEX", help="the GPU to use")
+
 
 def from_args(args: argparse.Namespace) -> EngineOptions:
     """The options of parsed :func:`add_arguments` flags."""
@@ -187,8 +240,12 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         poll=args.poll,
         moe_cpu_layers=args.moe_cpu_layers,
         moe_cache_audit=args.moe_cache_audit,
+        moe_fetch_share=args.moe_fetch_share,
         mmap=args.mmap,
         swa_full=args.swa_full,
+        split_mode=args.split_mode,
+        tensor_split=None if args.tensor_split is None else parse_tensor_split(args.tensor_split),
+        main_gpu=args.main_gpu,
     )
 
 
@@ -226,12 +283,6 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
     """Places ``model`` per ``opts`` (nothing to do on the CPU); returns the placement."""
     if not use_gpu(opts):
         return None
-    refusal = getattr(model, "gpu_unsupported", None)
-    if refusal and opts.device == "auto":
-        # --device auto picks the CPU for a model no GPU placement takes; --device cuda
-        # gets place_on_gpu's error.
-        _log.warning("%s, running on the CPU", refusal)
-        return None
     from freetoken.engine.placement import place_on_gpu
 
     return place_on_gpu(
@@ -244,4 +295,8 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         cache_profile=opts.moe_cache_profile,
         cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
         cpu_layers=opts.moe_cpu_layers,
+        split_mode=opts.split_mode,
+        tensor_split=opts.tensor_split,
+        main_gpu=opts.main_gpu,
+        fetch_share=opts.moe_fetch_share,
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from freetoken.engine.bandwidth_profile import KindBandwidth, load_bandwidth_profile
 from freetoken.engine.cpu_layers import parse_cpu_layers, pin_budget, split_for_pinning
 from freetoken.engine.gpu_layers import (
     GpuEmbedding,
@@ -39,6 +40,7 @@ from freetoken.engine.gpu_moe import (
 )
 from freetoken.engine.hybrid import HybridExperts
 from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
+from freetoken.engine.split import SplitPlan, plan_split
 from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
@@ -142,7 +144,8 @@ class _Mover:
 
 def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
     """Where the model still holds host tensors or CPU layers after placement."""
-    if id(val) in seen:
+    if id(val) in seen or getattr(val, "host_resident", False):
+        # Parts read on the host by design (Gemma 4's per-layer token rows) stay there.
         return []
     seen.add(id(val))
     if isinstance(val, torch.Tensor):
@@ -154,7 +157,8 @@ def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
     if isinstance(val, dict):
         return [w for k, v in val.items() for w in _left_on_host(v, f"{where}[{k!r}]", seen)]
     if isinstance(val, MoeFFN):
-        parts = {"router": val.router, "shared": val.shared, "selection_bias": val.selection_bias}
+        parts = {"router": val.router, "shared": val.shared}
+        parts |= {n: v for n, v in vars(val).items() if isinstance(v, torch.Tensor)}
     elif _is_model_part(val):
         parts = vars(val)
     else:
@@ -174,6 +178,42 @@ def _expert_layers(model: Transformer) -> list[ExpertLayer]:
     return [ExpertLayer.of(blk.ffn) for blk in model.blocks if isinstance(blk.ffn, MoeFFN)]
 
 
+def _split_plan(
+    model: Transformer,
+    layers: list[ExpertLayer],
+    n_gpus: int,
+    mode: str | None,
+    tensor_split: tuple[float, ...] | None,
+    main_gpu: int,
+    cache_mib: int | None,
+) -> SplitPlan:
+    """The GPUs' layer ranges. Without ``--split-mode`` a host of several GPUs uses the main
+    one alone; an explicit ``layer`` split that spans several GPUs is refused, since this
+    placement keeps a model on one device."""
+    sizes = {ex.index: ex.spec().expert_bytes * ex.n_experts for ex in layers}
+    n_layers = len(model.blocks)
+    free = [torch.cuda.mem_get_info(d)[0] for d in range(n_gpus)]
+    chosen = mode or ("layer" if tensor_split is not None else "none")
+    plan = plan_split(
+        n_layers,
+        n_gpus,
+        mode=chosen,
+        tensor_split=tensor_split,
+        main_gpu=main_gpu,
+        free_bytes=free,
+        cache_mib=cache_mib,
+        expert_bytes=[sizes.get(i, 0) for i in range(n_layers)],
+    )
+    if len(plan.devices) > 1:
+        raise UnsupportedError(
+            f"--split-mode layer: {plan.describe()}: layers on several GPUs are not "
+            "supported yet (use --split-mode none --main-gpu N)"
+        )
+    if mode is None and n_gpus > 1:
+        log.info("%d GPUs: the model goes to GPU %d (--main-gpu)", n_gpus, main_gpu)
+    return plan
+
+
 def place_on_gpu(
     model: Transformer,
     *,
@@ -186,28 +226,38 @@ def place_on_gpu(
     cache_policy: str = "lru",
     cpu_layers: str | None = None,
     device: torch.device | str | None = None,
+    split_mode: str | None = None,
+    tensor_split: tuple[float, ...] | None = None,
+    main_gpu: int = 0,
+    fetch_share: float | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
     :mod:`freetoken.engine.gpu_moe`); ``auto`` keeps every expert resident when they fit in
     ``cache_mib`` (default: the free memory left after the dense weights, the KV cache for
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
-    (:mod:`freetoken.engine.cpu_layers`). Logs what it did (the placement, the pools) on the
-    ``freetoken`` logger at INFO level and returns it."""
+    (:mod:`freetoken.engine.cpu_layers`), ``fetch_share`` ``--moe-fetch-share``
+    (:class:`~freetoken.engine.hybrid.HybridExperts`); ``split_mode``, ``tensor_split`` and
+    ``main_gpu`` pick the GPU (:mod:`freetoken.engine.split`) unless ``device`` names one.
+    Logs what it did (the placement, the pools) on the ``freetoken`` logger at INFO level and
+    returns it."""
     if strategy not in MOE_STRATEGIES:
         raise InvalidInputError(f"--moe-strategy {strategy}: choose one of {MOE_STRATEGIES}")
     if dense not in DENSE_MODES:
         raise InvalidInputError(f"dense weights `{dense}`: choose one of {DENSE_MODES}")
-    refusal = getattr(model, "gpu_unsupported", None)
-    if refusal:
-        raise UnsupportedError(f"--moe-strategy {strategy}: {refusal} (use --device cpu)")
     status = gpu.status()
     if not (status.available and torch.cuda.is_available()):
         raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")
-    dev = torch.device(device or "cuda")
+    layers = _expert_layers(model)
+    if device is None:
+        plan = _split_plan(
+            model, layers, status.n_devices, split_mode, tensor_split, main_gpu, cache_mib
+        )
+        device, cache_mib = torch.device("cuda", plan.devices[0]), plan.cache_mib[0]
+        log.info("split: %s", plan.describe())
+    dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    layers = _expert_layers(model)
     wanted = parse_cpu_layers(cpu_layers, [ex.index for ex in layers])
     servable = [
         ex
@@ -220,10 +270,14 @@ def place_on_gpu(
     # is left for the experts.
     mover = _Mover(dev, dense)
     model.blocks = mover(model.blocks)
-    model.output_norm = mover(model.output_norm)
-    if model.rope_factors is not None:
-        model.rope_factors = mover(model.rope_factors)
+    # The model's own tensors (norm, RoPE factors and masks) as they are.
+    for name, val in list(vars(model).items()):
+        if isinstance(val, torch.Tensor):
+            setattr(model, name, mover(val))
     model.output = mover(model.output)
+    # A family's own parts beyond the Transformer's (Gemma 4's per-layer inputs).
+    for name in getattr(model, "gpu_parts", ()):
+        setattr(model, name, mover(getattr(model, name)))
     emb = GpuEmbedding(model.embed, dev)
     model.embed = emb  # type: ignore[assignment]
     mover.dense_bytes += emb.table.numel() * emb.table.element_size()
@@ -232,7 +286,13 @@ def place_on_gpu(
     experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
         opts = _CacheOptions(
-            n_ctx, cache_mib, cache_scope, cache_profile, cache_policy, cpu_auto=wanted is None
+            n_ctx,
+            cache_mib,
+            cache_scope,
+            cache_profile,
+            cache_policy,
+            cpu_auto=wanted is None,
+            fetch_share=fetch_share,
         )
         experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
     if experts is None and layers and model.moe is not None and _one_shape(layers):
@@ -257,9 +317,11 @@ def place_on_gpu(
     model.device = dev
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
-    # (hybrid's CPU half answers inside the graph).
-    place.graphs = not place.cpu_layers and (
-        not layers or isinstance(experts, (ResidentExperts, HybridExperts))
+    # (hybrid's CPU half answers inside the graph), no inputs read on the host.
+    place.graphs = (
+        not place.cpu_layers
+        and not getattr(model, "host_inputs", False)
+        and (not layers or isinstance(experts, (ResidentExperts, HybridExperts)))
     )
     model.graphs = GraphDecoder(model) if place.graphs else None
     log.info("%s", place.describe())
@@ -273,12 +335,14 @@ def _place_moe(
     experts: ResidentExperts | OffloadExperts | HybridExperts | None,
     moe: MoeContext | None,
 ) -> None:
-    """Moves a MoE feed-forward's router, shared experts and selection bias to the device and
-    gives it its expert backend: the pools when they serve the layer, else the CPU executor."""
+    """Moves a MoE feed-forward's router, shared experts and tensors (selection bias, a
+    family's norms and scales) to the device and gives it its expert backend: the pools when
+    they serve the layer, else the CPU executor."""
     if ffn.shared is not None:
         ffn.shared = mover(ffn.shared)
-    if ffn.selection_bias is not None:
-        ffn.selection_bias = mover(ffn.selection_bias)
+    for name, val in vars(ffn).items():
+        if isinstance(val, torch.Tensor):
+            setattr(ffn, name, mover(val))
     ffn.router = GpuLinear(ffn.router, mover.device, mover.dense, keep_f32=True)  # type: ignore[arg-type]
     if experts is not None and ex is not None:
         backend = GpuExperts(ex, ffn.routing, experts, ffn.selection_bias)
@@ -298,6 +362,7 @@ class _CacheOptions:
     policy: str
     #: ``--moe-cpu-layers auto``: pin layers in order while the host allows.
     cpu_auto: bool
+    fetch_share: float | None
 
 
 def _budget(
@@ -381,10 +446,8 @@ def _experts(
     plan = plan_for(layers)
     bw = None
     if strategy in ("auto", "hybrid") and not plan.all_resident:
-        from freetoken.engine.bandwidth_profile import load_bandwidth_profile
-
         profile = load_bandwidth_profile(model)
-        bw = profile.for_layer(layers[0]) if profile is not None else None
+        bw = profile.for_layers(layers) if profile is not None else None
     if strategy == "auto":
         one = _one_shape(all_layers)
         strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
@@ -410,7 +473,7 @@ def _experts(
         # Layers without slots still go through the hand-off when it can serve them.
         cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
         experts: OffloadExperts = HybridExperts(
-            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins
+            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins, o.fetch_share
         )
     else:
         experts = OffloadExperts(layers, plan, dev, o.policy, pinned=pins)
@@ -424,16 +487,18 @@ def _one_shape(layers: list[ExpertLayer]) -> bool:
     return len({(ex.gate.k, ex.n_experts, ex.top_k) for ex in layers}) == 1
 
 
-def _why(strategy: str, k: Any) -> str:
-    """Why ``auto`` chose ``strategy``; ``k`` is the layers' bench-bw figures, if saved."""
+def _why(strategy: str, bw: dict[int, KindBandwidth] | None) -> str:
+    """Why ``auto`` chose ``strategy``; ``bw`` is each layer's bench-bw figures, if saved."""
     if strategy == "gpu":
         return "every expert fits the cache"
     if strategy == "offload":
         return "the MoE layers differ in shape"
-    if k is None:
+    if bw is None:
         return "experts exceed the cache; misses computed on the CPU (no bench-bw profile)"
-    return (
-        f"experts exceed the cache; a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} "
-        f"GB/s) than over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
+    kinds = {k.key: k for k in bw.values()}.values()
+    return "experts exceed the cache; " + "; ".join(
+        f"{k.key}: a miss read once costs less on the CPU ({k.b_cpu_gbps:.0f} GB/s) than "
+        f"over PCIe ({k.b_pcie_gbps or 0:.0f} GB/s) unless reused "
         f"{k.break_even_reuse or float('inf'):.1f}x"
+        for k in kinds
     )

@@ -11,6 +11,7 @@ from freetoken.gguf import GGUFFile
 from freetoken.models import (
     deepseek2,
     gemma3,
+    gemma4,
     glm4moe,
     gptoss,
     llama,
@@ -38,6 +39,7 @@ FAMILIES: dict[str, ModuleType] = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gemma3": gemma3,
+    "gemma4": gemma4,
     "qwen3moe": qwen3moe,
     "qwen2moe": qwen2moe,
     "olmoe": olmoe,

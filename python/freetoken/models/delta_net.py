@@ -125,8 +125,8 @@ def causal_conv(
     xs = torch.cat([state, x])
     windows = xs.unfold(0, k, 1)  # [T, C, K]
     if all_states:
-        return (windows * weight).sum(-1), windows[:, :, 1:].transpose(1, 2).clone()
-    return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :].clone()
+        return (windows * weight).sum(-1), windows[:, :, 1:].transpose(1, 2)
+    return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :]
 
 
 def delta_rule_step(
@@ -266,8 +266,8 @@ class DeltaNetLayer:
         beta = torch.sigmoid(b)
         g = F.softplus(a + self.dt) * self.a
         outs, states, row = [], [], 0
-        for b, (n, conv_state, ssm_state) in enumerate(spans):
-            keep = bool(keep_steps and keep_steps[b])
+        for j, (n, conv_state, ssm_state) in enumerate(spans):
+            keep = bool(keep_steps and keep_steps[j])
             rows = slice(row, row + n)
             y, conv_state = causal_conv(mixed[rows], conv_state, self.conv, keep)
             y = F.silu(y)

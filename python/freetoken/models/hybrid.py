@@ -12,8 +12,10 @@ position is 0), attention is causal and the result is scaled by ``sigmoid(gate)`
 ``attn_output``.
 
 Each sequence's cache is a :class:`~freetoken.runtime.recurrent_cache.HybridCache`: keys and
-values of the full-attention layers, the conv and delta-rule states of the others. The GPU
-placements do not take these models yet (:data:`HybridTransformer.gpu_unsupported`).
+values of the full-attention layers, the conv and delta-rule states of the others, on the
+model's device. Everything here runs as plain torch ops on either device; a decode step (one
+token per sequence: the recurrent step, no chunks) reads nothing back to the host, so the GPU
+placements capture it as a CUDA graph like any other model's.
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ from freetoken.models.layers import (
     Embedding,
     Linear,
     RopeScaling,
-    attention,
     default_attn_scale,
     linear_group,
     load_vector,
     rms_norm,
 )
-from freetoken.models.transformer import Block, Features, FFNFactory, Transformer, dense_ffn
+from freetoken.models.transformer import (
+    Block,
+    Features,
+    FFNFactory,
+    Transformer,
+    dense_ffn,
+    past_trunk,
+)
 from freetoken.runtime.recurrent_cache import HybridCache
 from freetoken.runtime.step import Step
 
@@ -134,12 +142,6 @@ class HybridTransformer(Transformer):
     """A Gated DeltaNet hybrid decoder over a mapped GGUF file (module docstring). The
     family sets ``grouped`` (value heads grouped by key head) and ``fused_ba``."""
 
-    #: Why the GPU placements refuse this model (engine/placement.py reads it).
-    gpu_unsupported = (
-        "the Gated DeltaNet hybrid models (qwen35, qwen35moe, qwen3next) run on the CPU engine "
-        "only so far"
-    )
-
     def __init__(
         self,
         gguf: GGUFFile,
@@ -171,7 +173,9 @@ class HybridTransformer(Transformer):
                 f"metadata `{arch}.rope.dimension_count` is {cfg.rope_dim}: it must be even and "
                 f"at most the head size {cfg.head_dim}"
             )
-        self.rope_mask = rope_pairs(meta, arch, cfg.rope_dim, cfg.head_dim)
+        mask = rope_pairs(meta, arch, cfg.rope_dim, cfg.head_dim)
+        #: The pairs that rotate, None when all do (placement moves it with the model).
+        self.rope_mask = None if mask is None or bool(mask.all()) else mask
         self.recurrent = recurrent_layers(meta, arch, cfg.n_layers)
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
         make_ffn = make_ffn or dense_ffn(feat)
@@ -206,7 +210,12 @@ class HybridTransformer(Transformer):
         """Layer ``i`` past the trunk (a multi-token-prediction layer): a gated
         full-attention block with the family's feed-forward, its keys and values in layer 0
         of its own cache."""
-        return HybridBlock(gguf, self.cfg, i, self.make_ffn, None, False, 0)
+        return HybridBlock(gguf, past_trunk(self.cfg, i), i, self.make_ffn, None, False, 0)
+
+    def mtp_kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) per position of a multi-token-prediction layer's
+        cache: a full-attention layer's."""
+        return self._kv_shape()
 
     def _kv_shape(self) -> tuple[int, int, int]:
         c = self.cfg
@@ -234,16 +243,16 @@ class HybridTransformer(Transformer):
             *self._kv_shape(),
             state_shapes=self._state_shapes(),
             device=self.device,
+            v_transposed=self.device.type == "cuda",
         )
 
     def _rope_tables(
         self, x: torch.Tensor, step: Step, blk: Block, n_rot: int, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super()._rope_tables(x, step, blk, n_rot, False)
-        if self.rope_mask is not None and not bool(self.rope_mask.all()):
-            mask = self.rope_mask.to(cos.device)
-            cos = torch.where(mask, cos, torch.ones_like(cos))
-            sin = torch.where(mask, sin, torch.zeros_like(sin))
+        if self.rope_mask is not None:
+            cos = torch.where(self.rope_mask, cos, torch.ones_like(cos))
+            sin = torch.where(self.rope_mask, sin, torch.zeros_like(sin))
         if whole:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         return cos, sin
@@ -280,15 +289,5 @@ class HybridTransformer(Transformer):
         v = v.view(t, cfg.n_kv_heads, hd)
         q = self._rope(q, step, blk, cfg.rope_dim)
         k = self._rope(k, step, blk, cfg.rope_dim)
-        outs, row = [], 0
-        for sp in step.spans:
-            n = sp.n
-            assert isinstance(sp.start, int)
-            k_all, v_all = sp.cache.store(blk.index, sp.start, k[row : row + n], v[row : row + n])
-            outs.append(
-                attention(q[row : row + n], k_all, v_all, sp.start, self.attn_scale, 0, None,
-                          step.masks)
-            )  # fmt: skip
-            row += n
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = self._attend(blk.index, q, k, v, step)
         return w.wo(o * torch.sigmoid(gate))

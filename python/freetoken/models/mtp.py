@@ -56,7 +56,7 @@ class MtpHead:
 
     def new_cache(self, n_ctx: int) -> KVCache:
         """An empty cache of the head's attention for one sequence (on the CPU)."""
-        return KVCache(1, n_ctx, *self.model._kv_shape())
+        return KVCache(1, n_ctx, *self.model.mtp_kv_shape())
 
     @torch.inference_mode()
     def forward(

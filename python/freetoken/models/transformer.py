@@ -45,7 +45,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class StepHook(Protocol):
     """Work around each forward step (see ``Transformer.step_hook``)."""
 
-    def begin(self, n_tokens: int) -> None: ...
+    def begin(self, n_tokens: int) -> bool:
+        """Before a step of ``n_tokens``; returns whether the step may replay a captured
+        graph (False: it reads back to the host)."""
+        ...
 
     def end(self) -> None: ...
 
@@ -84,6 +87,13 @@ class Features:
     #: The RoPE frequency factors of the family, from the metadata and config, in place of
     #: ``rope_freqs.weight`` (Qwen3-VL's multi-section RoPE at text positions).
     rope_factors: Callable[[Mapping[str, Any], ModelConfig], torch.Tensor] | None = None
+    #: ``rope_freqs.weight`` applies to the full-attention layers only (Gemma 4's
+    #: proportional RoPE); sliding-window layers rotate without factors.
+    rope_factors_full_only: bool = False
+    #: Values RMS-normed per head without a weight (Gemma 4).
+    v_norm: bool = False
+    #: A layer without ``attn_v`` attends over its keys' projection as values (Gemma 4).
+    k_as_v: bool = False
 
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
@@ -109,10 +119,11 @@ class DenseFFN:
 
 
 def dense_ffn(feat: Features) -> FFNFactory:
-    """The factory of plain gated feed-forwards with the family's activation."""
+    """The factory of plain gated feed-forwards with the family's activation, each as wide
+    as its layer's ``feed_forward_length``."""
 
     def make(gguf: GGUFFile, cfg: ModelConfig, i: int) -> FFN:
-        return DenseFFN(gguf, f"blk.{i}.", cfg.hidden, cfg.ffn, feat.activation)
+        return DenseFFN(gguf, f"blk.{i}.", cfg.hidden, cfg.layer(i).ffn, feat.activation)
 
     return make
 
@@ -207,7 +218,12 @@ class MLAWeights:
 
 
 class Block:
-    """One decoder layer's weights."""
+    """One decoder layer's weights and sizes (:meth:`ModelConfig.layer`). A layer that
+    shares an earlier layer's cache (``kv_source``, Gemma 4) has no key and value
+    projections (``wk`` and ``wv`` None); one whose keys serve as values has no ``wv``."""
+
+    #: RoPE frequency factors of this layer (set by the Transformer).
+    rope_factors: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -219,28 +235,43 @@ class Block:
         mla: MLAShape | None = None,
     ) -> None:
         p = f"blk.{i}."
-        h, hd, hdv = cfg.hidden, cfg.head_dim, cfg.head_dim_v
+        shape = cfg.layer(i)
+        h, hd, hdv = cfg.hidden, shape.head_dim, shape.head_dim_v
+        nh, nkv = shape.n_heads, shape.n_kv_heads
+        self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim_v = nh, nkv, hd, hdv
+        self.rope_dim = shape.rope_dim
+        self.kv_source = cfg.kv_source(i)
+        own_kv = self.kv_source == i
         self.attn_norm = load_vector(gguf, p + "attn_norm.weight", h)
         self.mla = MLAWeights(gguf, cfg, mla, p) if mla is not None else None
+        self.wk: Linear | None = None
+        self.wv: Linear | None = None
         if mla is None:
-            self.wq = Linear(gguf, p + "attn_q", (cfg.n_heads * hd, h))
-            self.wk = Linear(gguf, p + "attn_k", (cfg.n_kv_heads * hd, h))
-            self.wv = Linear(gguf, p + "attn_v", (cfg.n_kv_heads * hdv, h))
-            self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * hdv))
+            self.wq = Linear(gguf, p + "attn_q", (nh * hd, h))
+            if own_kv:
+                self.wk = Linear(gguf, p + "attn_k", (nkv * hd, h))
+                if not (feat.k_as_v and p + "attn_v.weight" not in gguf):
+                    self.wv = Linear(gguf, p + "attn_v", (nkv * hdv, h))
+                elif hdv != hd:
+                    raise GGUFError(
+                        f"{p}attn_v.weight is missing and keys ({hd}) cannot be values ({hdv})"
+                    )
+            self.wo = Linear(gguf, p + "attn_output", (h, nh * hdv))
         else:
-            self.wo = Linear(gguf, p + "attn_output", (h, cfg.n_heads * mla.v))
+            self.wo = Linear(gguf, p + "attn_output", (h, nh * mla.v))
         self.ffn_norm = load_vector(gguf, f"{p}{feat.ffn_norm}.weight", h)
         self.ffn = make_ffn(gguf, cfg, i)
         self.q_norm = self.k_norm = self.post_attn_norm = self.post_ffn_norm = None
         if feat.qk_norm or (feat.optional_qk_norm and p + "attn_q_norm.weight" in gguf):
             self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", hd)
-            self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", hd)
+            if own_kv:
+                self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", hd)
         elif feat.qk_norm_full:
-            self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", cfg.n_heads * hd)
-            self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", cfg.n_kv_heads * hd)
+            self.q_norm = load_vector(gguf, p + "attn_q_norm.weight", nh * hd)
+            self.k_norm = load_vector(gguf, p + "attn_k_norm.weight", nkv * hd)
         self.sinks = None
         if feat.attn_sinks:
-            self.sinks = load_vector(gguf, p + "attn_sinks.weight", cfg.n_heads)
+            self.sinks = load_vector(gguf, p + "attn_sinks.weight", nh)
         if feat.sandwich_norm:
             self.post_attn_norm = load_vector(gguf, p + "post_attention_norm.weight", h)
             self.post_ffn_norm = load_vector(gguf, p + "post_ffw_norm.weight", h)
@@ -248,6 +279,13 @@ class Block:
         #: RoPE base and frequency scale of this layer (set by the Transformer).
         self.rope_base = cfg.rope_base
         self.rope_scale = 1.0
+
+
+def past_trunk(cfg: ModelConfig, i: int) -> ModelConfig:
+    """``cfg`` extended to layer ``i`` past the trunk (a multi-token-prediction layer): a
+    full-attention layer with its own keys and values."""
+    swa = (*cfg.swa_layers, *[False] * (i + 1 - len(cfg.swa_layers)))
+    return replace(cfg, n_layers=i + 1, swa_layers=swa[: i + 1])
 
 
 class Transformer:
@@ -287,6 +325,13 @@ class Transformer:
         make_ffn = make_ffn or dense_ffn(feat)
         self.make_ffn = make_ffn
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
+        self.rope_factors = (
+            load_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
+            if "rope_freqs.weight" in gguf
+            else None
+        )
+        if feat.rope_factors is not None:
+            self.rope_factors = feat.rope_factors(meta, cfg)
         self.blocks = []
         swa_base = meta.get(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base)
         for i in range(cfg.n_layers):
@@ -297,19 +342,14 @@ class Transformer:
                 blk.rope_base, blk.rope_scale = float(swa_base), self.rope.freq_scale
             else:
                 blk.rope_base = cfg.rope_base_swa
+            if not (blk.swa and feat.rope_factors_full_only):
+                blk.rope_factors = self.rope_factors
             self.blocks.append(blk)
             if progress:
                 progress(i + 1, cfg.n_layers)
         self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
         out_name = "output" if "output.weight" in gguf else "token_embd"
         self.output = Linear(gguf, out_name, (cfg.vocab_size, cfg.hidden))
-        self.rope_factors = (
-            load_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
-            if "rope_freqs.weight" in gguf
-            else None
-        )
-        if feat.rope_factors is not None:
-            self.rope_factors = feat.rope_factors(meta, cfg)
 
     #: Where the model's tensors live (set by GPU placement).
     device = torch.device("cpu")
@@ -323,26 +363,35 @@ class Transformer:
 
     def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
         """Layer ``i`` past the trunk (a multi-token-prediction layer) as a full-attention
-        block of this family, with its feed-forward (``models/mtp.py``)."""
-        cfg = replace(self.cfg, swa_layers=(*self.cfg.swa_layers, *[False] * (i + 1)))
-        blk = Block(gguf, cfg, self.feat, i, self.make_ffn, self.mla)
+        block of this family with its feed-forward, run as layer 0 of its own cache
+        (``models/mtp.py``)."""
+        blk = Block(gguf, past_trunk(self.cfg, i), self.feat, i, self.make_ffn, self.mla)
         blk.rope_scale = self.rope.freq_scale
+        blk.kv_source = 0  # layer 0 of the head's own cache
         return blk
 
-    def _kv_shape(self) -> tuple[int, int, int]:
-        """Per position and layer: (heads, key dims, value dims) of the cache."""
+    def mtp_kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) per position of a multi-token-prediction layer's
+        cache: a full-attention layer's."""
+        return self._kv_shapes()[0]
+
+    def _kv_shapes(self) -> list[tuple[int, int, int]]:
+        """Per layer, per position: (heads, key dims, value dims) of the cache; 0 heads for
+        a layer that reads another's."""
         c, m = self.cfg, self.mla
         if m is not None and m.latent:
             # The latent and RoPE key are the keys; the values are the latent part of them.
-            return 1, m.kv_lora + m.rope, 0
+            return [(1, m.kv_lora + m.rope, 0)] * c.n_layers
         if m is not None:
-            return c.n_heads, m.nope + m.rope, m.v
-        return c.n_kv_heads, c.head_dim, c.head_dim_v
+            return [(c.n_heads, m.nope + m.rope, m.v)] * c.n_layers
+        return [
+            (b.n_kv_heads if b.kv_source == i else 0, b.head_dim, b.head_dim_v)
+            for i, b in enumerate(self.blocks)
+        ]
 
     def kv_bytes(self, n_ctx: int) -> int:
         """Bytes of one sequence's KV cache of ``n_ctx`` positions (float32)."""
-        heads, dk, dv = self._kv_shape()
-        return 4 * self.cfg.n_layers * n_ctx * heads * (dk + dv)
+        return 4 * n_ctx * sum(heads * (dk + dv) for heads, dk, dv in self._kv_shapes())
 
     def new_cache(self, n_ctx: int, max_step: int = 0) -> KVCache:
         """An empty KV cache for one sequence of up to ``n_ctx`` tokens, on the model's
@@ -351,10 +400,13 @@ class Transformer:
         ``swa_full``)."""
         dev = self.device
         windows = [self.cfg.sliding_window if blk.swa else 0 for blk in self.blocks]
+        heads, dk, dv = zip(*self._kv_shapes(), strict=True)
         return KVCache(
             self.cfg.n_layers,
             n_ctx,
-            *self._kv_shape(),
+            heads,
+            dk,
+            dv,
             device=dev,
             v_transposed=dev.type == "cuda",
             windows=windows if dev.type == "cpu" and not self.swa_full else (),
@@ -386,10 +438,9 @@ class Transformer:
         flat = [t for tokens, _ in seqs for t in tokens]
         ids = self.embed.lookup(flat)
         hook = self.step_hook
-        if hook is not None:
-            hook.begin(len(flat))
+        capturable = hook.begin(len(flat)) if hook is not None else True
         try:
-            return self._logits(ids, flat, spans, all_logits, hidden)
+            return self._logits(ids, flat, spans, all_logits, capturable, hidden)
         finally:
             if hook is not None:
                 hook.end()
@@ -400,14 +451,16 @@ class Transformer:
         flat: list[int],
         spans: list[Span],
         all_logits: bool | Sequence[bool],
+        capturable: bool,
         hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
         every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
         caches = [sp.cache for sp in spans]
         if (
-            self.graphs is not None
+            capturable
             and hidden is None
+            and self.graphs is not None
             and len(flat) == len(spans) <= MAX_BATCH
             and len({id(c) for c in caches}) == len(caches)
         ):
@@ -440,16 +493,24 @@ class Transformer:
         ``step``'s positions; logits of the ``rows`` given, or of every token. Nothing here
         reads a tensor back to the host on the GPU path, so a decode step can be captured as
         a CUDA graph."""
-        cfg = self.cfg
         x = self.embed(tokens)
         if self.feat.embed_scale:
-            x = x * math.sqrt(cfg.hidden)
+            x = x * math.sqrt(self.cfg.hidden)
         for i, blk in enumerate(self.blocks):
             x = self._layer(i, blk, x, step)
-        if rows is not None and not step.keep_hidden:
+        return self._head(x, rows, step)
+
+    def _head(
+        self, x: torch.Tensor, rows: torch.Tensor | None, step: Step | None = None
+    ) -> torch.Tensor:
+        """The logits of the last layer's output ``x`` at ``rows`` (None: every row); a
+        ``step`` with ``keep_hidden`` gets every row's hidden state after the output norm."""
+        cfg = self.cfg
+        keep = step is not None and step.keep_hidden
+        if rows is not None and not keep:
             x = x[rows]
         h = rms_norm(x, self.output_norm, cfg.norm_eps)
-        if step.keep_hidden:
+        if step is not None and keep:
             step.hidden = h
             h = h if rows is None else h[rows]
         logits = self.output(h)
@@ -491,7 +552,7 @@ class Transformer:
         # One table per (base, scale) and step, shared by the layers. When NEOX rotates whole
         # heads, the table holds cos/sin for both halves: x * cos + roll(x) * sin is then the
         # whole rotation (fewer kernels on the GPU, the same float operations).
-        key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype, whole)
+        key = (blk.rope_base, n_rot, blk.rope_scale, x.dtype, whole, blk.rope_factors is None)
         if key not in step.rope:
             cos, sin = rope_cos_sin(
                 step.pos,
@@ -499,7 +560,7 @@ class Transformer:
                 n_rot,
                 blk.rope_scale,
                 x.dtype,
-                self.rope_factors,
+                blk.rope_factors,
                 self.rope,
             )
             if whole:
@@ -522,40 +583,73 @@ class Transformer:
         step: Step,
     ) -> torch.Tensor:
         """Grouped-query attention of layer ``i``, before the output projection."""
-        cfg = self.cfg
+        cfg, feat, eps = self.cfg, self.feat, self.cfg.norm_eps
         t = h.shape[0]
-        q, k, v = linear_group((blk.wq, blk.wk, blk.wv), h)
-        # OLMoE norms the whole projections before the split into heads; the rest norm heads.
-        if blk.q_norm is not None and blk.k_norm is not None and self.feat.qk_norm_full:
-            q = rms_norm(q, blk.q_norm, cfg.norm_eps)
-            k = rms_norm(k, blk.k_norm, cfg.norm_eps)
-        q = q.view(t, cfg.n_heads, cfg.head_dim)
-        k = k.view(t, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.n_kv_heads, cfg.head_dim_v)
-        head_norm = blk.q_norm is not None and not self.feat.qk_norm_full
-        if q.is_cuda and q.dtype == torch.float32 and self._whole_neox(q, cfg.rope_dim):
-            # One kernel each for q and k: the head norm and the rotation (runtime/gpu.py).
-            cos, sin = self._rope_tables(q, step, blk, cfg.rope_dim, whole=True)
-            qn, kn = (blk.q_norm, blk.k_norm) if head_norm else (None, None)
-            q = gpu.norm_rope(q, qn, cos, sin, cfg.norm_eps)
-            k = gpu.norm_rope(k, kn, cos, sin, cfg.norm_eps)
+        k = v = None
+        if blk.wk is not None:
+            projs = (blk.wq, blk.wk) if blk.wv is None else (blk.wq, blk.wk, blk.wv)
+            q, k, *vs = linear_group(projs, h)
+            v = vs[0] if vs else k
         else:
-            if blk.q_norm is not None and blk.k_norm is not None and head_norm:
-                q = rms_norm(q, blk.q_norm, cfg.norm_eps)
-                k = rms_norm(k, blk.k_norm, cfg.norm_eps)
-            q = self._rope(q, step, blk, cfg.rope_dim)
-            k = self._rope(k, step, blk, cfg.rope_dim)
+            q = blk.wq(h)
+        # OLMoE norms the whole projections before the split into heads; the rest norm heads.
+        qn, kn = blk.q_norm, blk.k_norm
+        if feat.qk_norm_full:
+            if qn is not None and kn is not None and k is not None:
+                q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+            qn = kn = None
+        q = q.view(t, blk.n_heads, blk.head_dim)
+        if k is not None and v is not None:
+            k = k.view(t, blk.n_kv_heads, blk.head_dim)
+            v = v.view(t, blk.n_kv_heads, blk.head_dim_v)
+            if feat.v_norm:
+                v = F.rms_norm(v, (blk.head_dim_v,), None, eps)
+        if q.is_cuda and q.dtype == torch.float32 and self._whole_neox(q, blk.rope_dim):
+            # One kernel each for q and k: the head norm and the rotation (runtime/gpu.py).
+            cos, sin = self._rope_tables(q, step, blk, blk.rope_dim, whole=True)
+            q = gpu.norm_rope(q, qn, cos, sin, eps)
+            if k is not None:
+                k = gpu.norm_rope(k, kn, cos, sin, eps)
+        else:
+            if qn is not None:
+                q = rms_norm(q, qn, eps)
+            q = self._rope(q, step, blk, blk.rope_dim)
+            if k is not None:
+                k = self._rope(k if kn is None else rms_norm(k, kn, eps), step, blk, blk.rope_dim)
         if self.attn_temp is not None:
             q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
+        return self._attend(i, q, k, v, step, window, blk.sinks, blk.kv_source)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        step: Step,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+        source: int | None = None,
+    ) -> torch.Tensor:
+        """Each sequence's rows of ``q [T, heads, dims]`` and, when the layer has its own,
+        ``k, v`` (after RoPE): their keys and values stored in cache layer ``layer`` (or,
+        without ``k, v``, those of layer ``source`` whose cache this one shares, from this
+        step), their queries attending over them; ``[T, heads * dims_v]``."""
+        src = layer if source is None else source
         outs, row = [], 0
-        for sp in step.spans:
+        for s, sp in enumerate(step.spans):
             n = sp.n
-            k_all, v_all = sp.store(i, k[row : row + n], v[row : row + n])
-            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, blk.sinks):
+            if k is not None and v is not None:
+                k_all, v_all = sp.store(layer, k[row : row + n], v[row : row + n])
+                if self.cfg.shared_kv_layers:
+                    step.kv[(s, layer)] = (k_all, v_all)
+            else:
+                k_all, v_all = step.kv[(s, src)]
+            if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, sinks):
                 # A decode step: one kernel instead of a scale, a mask and two products.
                 out = gpu.attn_decode(
-                    q[row], k_all, v_all, sp.start, self.attn_scale, window, blk.sinks
+                    q[row], k_all, v_all, sp.start, self.attn_scale, window, sinks
                 )
             else:
                 out = attention(
@@ -565,9 +659,9 @@ class Transformer:
                     sp.start,
                     self.attn_scale,
                     window,
-                    blk.sinks,
+                    sinks,
                     step.masks,
-                    sp.first_key(i),
+                    sp.first_key(src),
                 )
             outs.append(out)
             row += n

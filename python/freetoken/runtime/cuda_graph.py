@@ -115,10 +115,14 @@ class GraphDecoder:
         return self.model.run(tokens, Step(pos, spans), None)
 
     def _capture(self, key: _Key, caches: Sequence[KVCache], n_keys: Sequence[int]) -> _Entry:
+        # The warm-up passes run the step: recurrent states it advances are put back after.
+        restores = [c.checkpoint() for c in caches]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):
                 self._forward(caches, n_keys)
+            for restore in restores:
+                restore()
         graph = torch.cuda.CUDAGraph()
         # No garbage collection during the capture: finalizers of dropped pools unregister
         # page-locked memory (cudaHostUnregister), which invalidates a capture in progress

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 import torch
 
 from freetoken.errors import InvalidInputError
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "PerLayer"]
+
+#: A size that is the same for every layer, or one per layer.
+PerLayer: TypeAlias = int | Sequence[int]
+
+
+def _of(size: PerLayer, i: int) -> int:
+    return size if isinstance(size, int) else size[i]
 
 
 class KVCache:
@@ -37,9 +45,9 @@ class KVCache:
         self,
         n_layers: int,
         n_ctx: int,
-        n_kv_heads: int,
-        head_dim_k: int,
-        head_dim_v: int,
+        n_kv_heads: PerLayer,
+        head_dim_k: PerLayer,
+        head_dim_v: PerLayer,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         v_transposed: bool = False,
@@ -59,10 +67,11 @@ class KVCache:
         #: rings hold positions from this minus their size on.
         self._high = 0
         self.k, self.v = [], []
-        for r in self.ring:
+        for i, r in enumerate(self.ring):
             n = 2 * r or n_ctx
-            self.k.append(torch.zeros(n, n_kv_heads, head_dim_k, dtype=dtype, device=device))
-            v_shape = (n_kv_heads, head_dim_v, n) if v_transposed else (n, n_kv_heads, head_dim_v)
+            heads, dk, dv = _of(n_kv_heads, i), _of(head_dim_k, i), _of(head_dim_v, i)
+            self.k.append(torch.zeros(n, heads, dk, dtype=dtype, device=device))
+            v_shape = (heads, dv, n) if v_transposed else (n, heads, dv)
             self.v.append(torch.zeros(v_shape, dtype=dtype, device=device))
         self.length = 0
 
@@ -129,6 +138,12 @@ class KVCache:
 
     def _first(self, ring: int, start: int) -> int:
         return max(0, start - (ring - self.max_step)) if ring else 0
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A function that puts back what running a step changes besides the positions it
+        writes (a CUDA graph's capture runs its step for real before recording it). Nothing
+        for keys and values: the replay rewrites the same positions."""
+        return lambda: None
 
     def commit(self, n_new: int) -> None:
         """Marks ``n_new`` positions as filled, after every layer stored them."""

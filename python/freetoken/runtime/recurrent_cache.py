@@ -11,11 +11,14 @@ which is always valid at :attr:`length`.
 A verify step of speculative decoding sets :attr:`HybridCache.keep_steps`: its layers then
 hand over the states after each of the step's tokens (checkpoints, no extra compute: the
 token-by-token recurrence makes them anyway), and :meth:`HybridCache.rewind` restores the
-one at the last accepted token."""
+one at the last accepted token.
+
+The state tensors are updated in place, never replaced: a captured decode step (a CUDA graph)
+reads and writes them at the addresses it was captured on."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,8 +44,17 @@ class HybridCache(KVCache):
         state_shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
         device: torch.device | str = "cpu",
         max_snapshots: int = MAX_SNAPSHOTS,
+        v_transposed: bool = False,
     ) -> None:
-        super().__init__(n_attn_layers, n_ctx, n_kv_heads, head_dim_k, head_dim_v, device=device)
+        super().__init__(
+            n_attn_layers,
+            n_ctx,
+            n_kv_heads,
+            head_dim_k,
+            head_dim_v,
+            device=device,
+            v_transposed=v_transposed,
+        )
         self.conv = [torch.zeros(c, device=device) for c, _ in state_shapes]
         self.ssm = [torch.zeros(s, device=device) for _, s in state_shapes]
         self.max_snapshots = max_snapshots
@@ -55,13 +67,34 @@ class HybridCache(KVCache):
         self._step_from = 0
 
     def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Replaces recurrent layer ``layer``'s states (after a step ran it); with
-        :attr:`keep_steps` they are the stacks of the states after each of the step's
-        tokens."""
+        """Writes recurrent layer ``layer``'s new states (after a step ran it) in place; with
+        :attr:`keep_steps` they are the stacks of the states after each of the step's tokens,
+        kept for :meth:`rewind`, and the last one is written."""
         if self.keep_steps:
             self._steps[layer] = (conv, ssm)
             conv, ssm = conv[-1], ssm[-1]
-        self.conv[layer], self.ssm[layer] = conv, ssm
+        self.conv[layer].copy_(conv)
+        self.ssm[layer].copy_(ssm)
+
+    def _load(
+        self, conv: Sequence[torch.Tensor] | None, ssm: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Copies saved states in place (None: zeros, the empty state). In inference mode:
+        the states may be inference tensors."""
+        with torch.inference_mode():
+            for i, (c, s) in enumerate(zip(self.conv, self.ssm, strict=True)):
+                if conv is None or ssm is None:
+                    c.zero_()
+                    s.zero_()
+                else:
+                    c.copy_(conv[i])
+                    s.copy_(ssm[i])
+
+    def checkpoint(self) -> Callable[[], None]:
+        """As :meth:`KVCache.checkpoint`: the recurrent states, which a step advances."""
+        conv = [c.clone() for c in self.conv]
+        ssm = [s.clone() for s in self.ssm]
+        return lambda: self._load(conv, ssm)
 
     def commit(self, n_new: int) -> None:
         """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states
@@ -87,14 +120,7 @@ class HybridCache(KVCache):
         length = min(self.length, max(0, length))
         if length < self.length:
             kept = max((n for n in self._snapshots if n <= length), default=0)
-            if kept:
-                conv, ssm = self._snapshots[kept]
-                self.conv = [c.clone() for c in conv]
-                self.ssm = [s.clone() for s in ssm]
-            else:
-                # New tensors: the old ones may be inference tensors, not writable here.
-                self.conv = [torch.zeros_like(c) for c in self.conv]
-                self.ssm = [torch.zeros_like(s) for s in self.ssm]
+            self._load(*(self._snapshots[kept] if kept else (None, None)))
             for n in [n for n in self._snapshots if n > kept]:
                 del self._snapshots[n]
             length = kept
@@ -105,10 +131,11 @@ class HybridCache(KVCache):
         recurrent states come from its checkpoint at ``length``."""
         i = length - self._step_from - 1
         steps = self._steps
-        if length < self.length and 0 <= i and all(s is not None for s in steps):
-            for layer, st in enumerate(steps):
-                assert st is not None
-                self.conv[layer], self.ssm[layer] = st[0][i], st[1][i]
+        if length < self.length and 0 <= i and all(st is not None for st in steps):
+            self._load(
+                [st[0][i] for st in steps if st is not None],
+                [st[1][i] for st in steps if st is not None],
+            )
             for n in [n for n in self._snapshots if n > length]:
                 del self._snapshots[n]
             self._steps = [None] * len(self.conv)

@@ -110,7 +110,27 @@ PLACEMENT_SERIES = (
     ("cpu_routes", "counter", "Routes computed by the CPU expert executor"),
     ("seeded_hits", "counter", "GPU routes on experts seeded from the plan or profile"),
     ("filled_hits", "counter", "GPU routes on experts filled into slots later (hybrid)"),
-    ("uploaded_bytes", "counter", "Expert bytes uploaded into GPU slots"),
+    (
+        "fetched_routes",
+        "counter",
+        "GPU routes on experts uploaded for their step only (hybrid, steps of several tokens)",
+    ),
+    ("uploaded_bytes", "counter", "Expert bytes uploaded to the GPU (slots, staging)"),
+)
+#: Hybrid's split steps per step size (label ``tokens``: "1", "2-4", ...; engine/hybrid.py,
+#: FETCH_FIELDS): (counter field, metric suffix, help).
+FETCH_SERIES = (
+    ("steps", "steps_total", "Split steps (GPU and CPU), by tokens a step"),
+    (
+        "uploaded_routes",
+        "uploaded_routes_total",
+        "Routes whose missed expert was uploaded for the step and computed on the GPU",
+    ),
+    ("cpu_routes", "cpu_routes_total", "Routes computed on the CPU in split steps"),
+    ("uploaded_bytes", "uploaded_bytes_total", "Expert bytes uploaded for split steps"),
+    ("cpu_bytes", "cpu_bytes_total", "Expert bytes the CPU read in split steps"),
+    ("upload_s", "upload_seconds_total", "Seconds the split steps' uploads took"),
+    ("cpu_s", "cpu_seconds_total", "Seconds the CPU spent answering split steps"),
 )
 
 
@@ -123,11 +143,16 @@ def _expert_placement(llm: Any) -> Any:
         if not c["layers"]:
             return []
         sums = {k: sum(la.get(k, 0) for la in c["layers"].values()) for k, *_ in PLACEMENT_SERIES}
-        sums["cpu_routes"] = sums["routes"] - sums["gpu_routes"]
+        sums["cpu_routes"] = sums["routes"] - sums["gpu_routes"] - sums["fetched_routes"]
         sums["uploaded_bytes"] = c.get("uploaded_bytes", 0)
+        fetch = c.get("fetch", {})
         return [
             (f"freetoken_moe_{name}_total", kind, help_text, float(sums[name]))
             for name, kind, help_text in PLACEMENT_SERIES
+        ] + [
+            (f'freetoken_moe_fetch_{suffix}{{tokens="{size}"}}', "counter", help_text, float(v[f]))
+            for f, suffix, help_text in FETCH_SERIES
+            for size, v in fetch.items()
         ]
 
     return source

@@ -148,7 +148,8 @@ class Registry:
 
     def add_source(self, fn: Callable[[], Iterable[tuple[str, str, str, float]]]) -> None:
         """Registers a callback yielding ``(name, kind, help, value)`` at scrape time, for
-        counters the engine keeps itself (the MoE cache's, once it reports them)."""
+        counters the engine keeps itself (the MoE cache's). A name may carry labels
+        (``name{tokens="2-4"}``); a metric's series come one after another."""
         self._extra.append(fn)
 
     def render(self) -> str:
@@ -158,8 +159,12 @@ class Registry:
             lines += m.header()
             lines += m.samples()
         for fn in self._extra:
+            named = ""
             for name, kind, help_text, value in fn():
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+                base = name.split("{", 1)[0]
+                if base != named:
+                    lines += [f"# HELP {base} {help_text}", f"# TYPE {base} {kind}"]
+                    named = base
                 lines.append(f"{name} {_num(value)}")
         return "\n".join(lines) + "\n"
 

@@ -105,6 +105,15 @@ class ModelConfig:
     """Width of the causal depthwise conv1d; None: 4."""
     full_attention_interval: int | None = None
     """Every N-th layer is full attention, the others linear; None: 4."""
+    # ---- Gemma 4 (archs_gemma4.py) ------------------------------------------------------
+    head_dim_full: int | None = None
+    """The full-attention layers' head size; None: ``head_dim``."""
+    kv_heads_full: int | None = None
+    """The full-attention layers' key/value heads; None: ``kv_heads``."""
+    per_layer_width: int = 0
+    """The E-series' per-layer input width (0: none)."""
+    shared_kv_layers: int = 0
+    """Trailing layers that reuse an earlier layer's keys and values (the E-series)."""
     # ---- multi-token prediction (qwen35, qwen35moe, qwen3next, glm4moe) ------------------
     nextn_layers: int = 0
     """``nextn`` (MTP) layers after the ``layers`` of the trunk: a full-attention layer with
@@ -139,6 +148,10 @@ OPTIONAL_FIELDS: dict[str, Any] = {
         "linear_head_dim",
         "conv_kernel",
         "full_attention_interval",
+        "head_dim_full",
+        "kv_heads_full",
+        "per_layer_width",
+        "shared_kv_layers",
         "nextn_layers",
     )
 }
@@ -233,6 +246,9 @@ class ArchSpec:
     moe: bool = False
     #: The optional ModelConfig fields (:data:`OPTIONAL_FIELDS`) the architecture accepts.
     options: frozenset[str] = frozenset()
+    #: Attention scores are not divided by sqrt(head_dim) (gemma4): the q norm weights
+    #: carry that factor instead.
+    attn_unscaled: bool = False
 
     def defaults(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with the architecture's defaults filled in."""
@@ -495,6 +511,7 @@ class Gemma3(ArchSpec):
 
 
 # The MoE, hybrid and other architectures subclass ArchSpec, so they are defined after it.
+from freetoken.testmodel.archs_gemma4 import GEMMA4_ARCHS  # noqa: E402
 from freetoken.testmodel.archs_hybrid import HYBRID_ARCHS  # noqa: E402
 from freetoken.testmodel.archs_moe import MOE_ARCHS  # noqa: E402
 from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
@@ -503,7 +520,7 @@ from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
 ARCHS: dict[str, ArchSpec] = {
     # llama is among the MoE architectures: Mixtral shares it (dense when experts == 0).
     a.name: a
-    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS, *HYBRID_ARCHS)
+    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS, *GEMMA4_ARCHS, *HYBRID_ARCHS)
 }
 
 

@@ -7,12 +7,16 @@ import sys
 
 from freetoken.errors import FreeTokenError, InvalidInputError
 from freetoken.testmodel.archs import ARCHS, OPTIONAL_FIELDS, swa_pattern_from_text
-from freetoken.testmodel.archs_hybrid import SHAPE_PRESETS
+from freetoken.testmodel.archs_gemma4 import SHAPE_PRESETS as GEMMA4_PRESETS
+from freetoken.testmodel.archs_hybrid import SHAPE_PRESETS as HYBRID_PRESETS
 from freetoken.testmodel.check import MIN_TOP1, top1_probabilities
 from freetoken.testmodel.routing import ZIPF_S
 from freetoken.testmodel.writer import ROUTINGS, make_test_model
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["SHAPE_PRESETS", "add_arguments", "run"]
+
+#: The benchmark models' shapes (``--preset``).
+SHAPE_PRESETS: dict[str, dict[str, object]] = {**HYBRID_PRESETS, **GEMMA4_PRESETS}
 
 _DESCRIPTION = """\
 Writes a synthetic GGUF model in a real architecture's tensor layout and metadata: seeded random
@@ -59,6 +63,13 @@ others linear attention (--linear-k-heads, --linear-v-heads, --linear-head-dim, 
 quant names attn_qkv attn_gate ssm_beta ssm_alpha ssm_ba ssm_out (group ssm); ssm_conv1d is F32.
   --preset qwen3.5-35b-a3b --layers 8 --quant q8_0,exps=q4_k      (an 8-layer cut)
   --preset qwen3-next-80b-a3b
+
+Gemma 4 (gemma4): dense by default (full layers --head-dim-full / --kv-heads-full, keys as
+values); the E-series with --per-layer-width and --shared-kv-layers; the MoE with --experts
+(the dense FFN is the shared expert; --expert-layout fused writes ffn_gate_up_exps).
+  --preset gemma-4-26b-a4b --layers 6 --quant q8_0,exps=q4_k      (a 6-layer cut)
+  --arch gemma4 --layers 6 --sliding-window 64 --swa-pattern 6 --per-layer-width 64
+      --shared-kv-layers 2
 
 big and skewed MoE models:
   --routing zipf gives each MoE layer hot experts: the route shares are about proportional to
@@ -177,10 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     moe.add_argument(
         "--expert-layout",
-        choices=["stacked", "per-expert"],
-        default="stacked",
+        choices=["stacked", "per-expert", "fused"],
         help="llama (Mixtral): stacked ffn_*_exps, or the older ffn_*.E per expert (which "
-        "this llama.cpp no longer loads)",
+        "this llama.cpp no longer loads); gemma4: stacked or fused ffn_gate_up_exps "
+        "(default stacked)",
     )
     moe.add_argument(
         "--expert-gating",
@@ -254,6 +265,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="every N-th layer full attention, the others linear (default 4)",
+    )
+    g4 = parser.add_argument_group("Gemma 4 (gemma4)")
+    g4.add_argument("--head-dim-full", type=int, help="full layers' head size (default --head-dim)")
+    g4.add_argument(
+        "--kv-heads-full", type=int, help="full layers' key/value heads (default --kv-heads)"
+    )
+    g4.add_argument(
+        "--per-layer-width", type=int, help="E-series per-layer input width (default 0: none)"
+    )
+    g4.add_argument(
+        "--shared-kv-layers",
+        type=int,
+        help="E-series: trailing layers reading earlier layers' caches (default 0)",
     )
     parser.add_argument(
         "--nextn-layers",
@@ -349,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         expert_ffn=args.expert_ffn,
         shared_experts=args.shared_experts,
         leading_dense=args.leading_dense,
-        expert_layout=args.expert_layout,
+        expert_layout=args.expert_layout or "stacked",
         name=args.name,
         routing=args.routing,
         zipf_s=args.zipf_s,

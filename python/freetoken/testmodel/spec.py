@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: Matrices that exist once per model, not per layer.
-GLOBAL_NAMES = frozenset({"token_embd", "output"})
+GLOBAL_NAMES = frozenset({"token_embd", "output", "per_layer_token_embd", "per_layer_model_proj"})
 
 #: Every matrix short name a spec may name: the dense families' and the MoE and MLA families'
 #: (listed ahead of those families so a spec written for them already parses).
@@ -96,6 +96,11 @@ KNOWN_NAMES = frozenset(
         "ssm_alpha",
         "ssm_ba",
         "ssm_out",
+        # Gemma 4's per-layer inputs (the E-series)
+        "per_layer_token_embd",
+        "per_layer_model_proj",
+        "per_layer_inp_gate",
+        "per_layer_proj",
     }
 )
 

@@ -467,8 +467,17 @@ class WeightGen:
         if role == "norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             if t.short == "attn_q_norm":
-                w *= np.float32(ATTN_SHARPNESS)
+                unscaled = math.sqrt(t.k) if self.arch.attn_unscaled else 1.0
+                w *= np.float32(ATTN_SHARPNESS / unscaled)
             return w.astype(np.float32)
+        if role == "input_scale":
+            # Undoes a 1/sqrt(K) the graph applies to the input (gemma4's router).
+            w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
+            return (w * np.float32(math.sqrt(t.k))).astype(np.float32)
+        if role == "proportional_rope":
+            # The first quarter of the pairs turn, the rest do not (infinite factors).
+            n = t.shape[0]
+            return np.array([1.0] * (n // 4) + [1e30] * (n - n // 4), dtype=np.float32)
         if role == "post_norm":
             w = 1.0 + NORM_JITTER * rng.standard_normal(t.shape, dtype=np.float32)
             return (w * np.float32(self.block_rms)).astype(np.float32)

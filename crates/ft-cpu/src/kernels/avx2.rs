@@ -1,7 +1,7 @@
-//! Four rows of Q4_0, Q5_0, Q8_0, IQ4_NL or MXFP4 against Q8_0 activation rows, and of Q4_K or
-//! Q6_K against Q8_K ones, with AVX2, FMA and F16C: bit-identical to ggml's AVX2
-//! `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_iq4_nl_q8_0` / `_mxfp4_q8_0` /
-//! `_q4_K_q8_K` / `_q6_K_q8_K` row by row.
+//! Four rows of Q4_0, Q5_0, Q8_0, IQ4_NL or MXFP4 against Q8_0 activation rows, and of Q4_K,
+//! Q5_K, Q6_K or IQ4_XS against Q8_K ones, with AVX2, FMA and F16C: bit-identical to ggml's
+//! AVX2 `ggml_vec_dot_q4_0_q8_0` / `_q5_0_q8_0` / `_q8_0_q8_0` / `_iq4_nl_q8_0` /
+//! `_mxfp4_q8_0` / `_q4_K_q8_K` / `_q5_K_q8_K` / `_q6_K_q8_K` / `_iq4_xs_q8_K` row by row.
 //!
 //! A 256-bit register holds one row's eight 4-value lanes, so the four rows go one after
 //! another; what they share is each activation block's loads, its scale and (for the legacy
@@ -11,9 +11,10 @@
 //! off each value before a sign-trick product, these take (offset x the activation's lane sum)
 //! off the lane sum of the unsigned values, the same integer. The f32 operations and their
 //! order are ggml's: the product of the two block scales, one fused multiply-add per block
-//! into eight lanes, `hsum_float_8` at the end (Q4_K: plus its four min lanes' sum; IQ4_NL and
+//! into eight lanes, `hsum_float_8` at the end (Q4_K: plus its four min lanes' sum; Q5_K:
+//! plus a scalar chain of the mins' integer sums, one fused multiply-add per block; IQ4_NL and
 //! MXFP4: of two accumulators, even and odd blocks, an odd last block added after it by a
-//! scalar tail).
+//! scalar tail). The K-quants' and IQ4_XS's fused multiply-add is one per 256 values.
 
 use super::avx512::e8m0_half;
 use super::avx512_k::IQ4_VALUES;
@@ -22,13 +23,15 @@ use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
 
 /// The weight types (const generic parameters).
-const Q4: u8 = 0;
-const Q5: u8 = 1;
+pub(super) const Q4: u8 = 0;
+pub(super) const Q5: u8 = 1;
 const Q8: u8 = 2;
 const Q4K: u8 = 3;
 const Q6K: u8 = 4;
 const NL: u8 = 5;
 const MX: u8 = 6;
+const Q5K: u8 = 7;
+const IQ4XS: u8 = 8;
 
 /// ggml's `kvalues_mxfp4`: MXFP4's values of the 16 indices (e2m1, doubled).
 const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
@@ -43,6 +46,12 @@ const Q8_K_SUMS: usize = 4 + 256;
 /// bytes of 4-bit values (each 32-byte run: a sub-block in the low nibbles, the next in the
 /// high ones).
 const Q4_K_BLOCK: usize = 144;
+/// Bytes of a Q5_K block: Q4_K's fields, with 32 bytes of fifth bits (bit s of byte e: value
+/// e of sub-block s) before the 4-bit values.
+const Q5_K_BLOCK: usize = 176;
+/// Bytes of an IQ4_XS block: fp16 d, 16 bits of scale high bits, 4 bytes of scale low bits,
+/// 128 bytes of 4-bit table indices packed as Q4_0's (per 32-value sub-block).
+const IQ4_XS_BLOCK: usize = 136;
 /// Bytes of a Q6_K block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
 /// per 16 values), fp16 d.
 const Q6_K_BLOCK: usize = 210;
@@ -84,11 +93,16 @@ const fn signed(kind: u8) -> bool {
     kind == Q8 || table(kind).is_some()
 }
 
+/// The types of 256-value blocks, with Q8_K activations.
+const fn super_blocks(kind: u8) -> bool {
+    matches!(kind, Q4K | Q5K | Q6K | IQ4XS)
+}
+
 /// Activation rows one pass over the four weight rows serves: its accumulators stay in the
 /// sixteen vector registers (legacy types: a fused multiply-add per block and row), or nearly
 /// (K-quants: one per 256 values).
 const fn pass_tokens(kind: u8) -> usize {
-    if kind == Q4K || kind == Q6K {
+    if super_blocks(kind) {
         4
     } else {
         2
@@ -106,7 +120,11 @@ pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
     };
     match (kernel.weight_type(), kernel.act_type()) {
         (GgmlType::Q4_K, GgmlType::Q8_K) => fns([tile::<Q4K, 8>, tile::<Q4K, 4>], tile::<Q4K, 1>),
+        (GgmlType::Q5_K, GgmlType::Q8_K) => fns([tile::<Q5K, 8>, tile::<Q5K, 4>], tile::<Q5K, 1>),
         (GgmlType::Q6_K, GgmlType::Q8_K) => fns([tile::<Q6K, 8>, tile::<Q6K, 4>], tile::<Q6K, 1>),
+        (GgmlType::IQ4_XS, GgmlType::Q8_K) => {
+            fns([tile::<IQ4XS, 8>, tile::<IQ4XS, 4>], tile::<IQ4XS, 1>)
+        }
         _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
         (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], tile::<Q4, 1>),
         (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], tile::<Q5, 1>),
@@ -165,7 +183,9 @@ unsafe fn pass<const KIND: u8, const T: usize>(
     // SAFETY: forwarded.
     let sums = unsafe {
         match KIND {
-            Q4K => q4_k::<T>(w, row_bytes, acts, blocks / 8),
+            Q4K => q45_k::<false, T>(w, row_bytes, acts, blocks / 8),
+            Q5K => q45_k::<true, T>(w, row_bytes, acts, blocks / 8),
+            IQ4XS => iq4_xs::<T>(w, row_bytes, acts, blocks / 8),
             Q6K => q6_k::<T>(w, row_bytes, acts, blocks / 8),
             _ => legacy::<KIND, T>(w, row_bytes, acts, blocks),
         }
@@ -191,7 +211,7 @@ fn prefetch_ahead(w: *const u8, row_bytes: usize, b: usize, block: usize) {
 /// Two readable bytes at `p`; the CPU has F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fp16_at(p: *const u8) -> f32 {
+pub(super) unsafe fn fp16_at(p: *const u8) -> f32 {
     // SAFETY: per the contract.
     let bits = unsafe { p.cast::<i16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits)))
@@ -215,7 +235,7 @@ pub(super) fn hsum_float_8(x: __m256) -> f32 {
 /// `x` points at a block of the type; the CPU has AVX2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
+pub(super) unsafe fn legacy_values<const KIND: u8>(x: *const u8) -> __m256i {
     // SAFETY: within the block, per the contract.
     unsafe {
         if KIND == Q8 {
@@ -387,22 +407,29 @@ unsafe fn table_tail<const KIND: u8, const T: usize>(
     }
 }
 
-/// Four rows of Q4_K against `T` Q8_K activation rows, `supers` blocks each.
+/// Four rows of Q4_K (Q5_K with `FIFTH`) against `T` Q8_K activation rows, `supers` blocks
+/// each.
 ///
 /// # Safety
 /// As [`tile`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k<const T: usize>(
+unsafe fn q45_k<const FIFTH: bool, const T: usize>(
     w: *const u8,
     row_bytes: usize,
     acts: [*const u8; T],
     supers: usize,
 ) -> [[f32; GROUP]; T] {
     let m4 = _mm256_set1_epi8(0x0f);
+    let (block, qs) = if FIFTH {
+        (Q5_K_BLOCK, 48)
+    } else {
+        (Q4_K_BLOCK, 16)
+    };
     let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
+    // Q4_K: four min lanes per row; Q5_K: ggml's scalar chain, in lane 0.
     let mut acc_m = [[_mm_setzero_ps(); GROUP]; T];
     for b in 0..supers {
-        prefetch_ahead(w, row_bytes, b, Q4_K_BLOCK);
+        prefetch_ahead(w, row_bytes, b, block);
         // SAFETY: block b of the four rows and of each activation row, per the contract.
         unsafe {
             let y = acts.map(|a| a.add(b * Q8_K_BLOCK));
@@ -415,7 +442,7 @@ unsafe fn q4_k<const T: usize>(
                 )
             });
             for r in 0..GROUP {
-                let x = w.add(r * row_bytes + b * Q4_K_BLOCK);
+                let x = w.add(r * row_bytes + b * block);
                 let sm = super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read());
                 let ms = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr().cast()));
                 let (xd, xdmin) = (fp16_at(x), fp16_at(x.add(2)));
@@ -423,22 +450,46 @@ unsafe fn q4_k<const T: usize>(
                 let sc = _mm256_castsi256_si128(ms);
                 let scales = _mm256_set_m128i(sc, sc);
                 for t in 0..T {
-                    let prod = _mm_madd_epi16(mins, q8s[t]);
-                    acc_m[t][r] = _mm_fmadd_ps(
-                        _mm_set1_ps(-yd[t] * xdmin),
-                        _mm_cvtepi32_ps(prod),
-                        acc_m[t][r],
-                    );
+                    let mut prod = _mm_madd_epi16(mins, q8s[t]);
+                    let dmin = -yd[t] * xdmin;
+                    if FIFTH {
+                        // ggml's hadds: the four lanes' integer sum, one fused multiply-add.
+                        let z = _mm_setzero_si128();
+                        prod = _mm_hadd_epi32(_mm_hadd_epi32(prod, z), z);
+                        let m = _mm_cvtss_f32(acc_m[t][r]);
+                        let m = dmin.mul_add(_mm_cvtsi128_si32(prod) as f32, m);
+                        acc_m[t][r] = _mm_set_ss(m);
+                    } else {
+                        acc_m[t][r] =
+                            _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[t][r]);
+                    }
                 }
+                let hbits = if FIFTH {
+                    _mm256_loadu_si256(x.add(16).cast())
+                } else {
+                    _mm256_setzero_si256()
+                };
+                // Sub-block s's fifth bits: 16 where bit s of the byte is set.
+                let fifth = |v: __m256i, s: i32| {
+                    if !FIFTH {
+                        return v;
+                    }
+                    let bit = _mm256_and_si256(hbits, _mm256_set1_epi8(1 << s));
+                    let set = _mm256_cmpeq_epi8(bit, _mm256_setzero_si256());
+                    _mm256_or_si256(v, _mm256_andnot_si256(set, _mm256_set1_epi8(16)))
+                };
                 let mut sumi = [_mm256_setzero_si256(); T];
                 for j in 0..4 {
                     // Sub-blocks 2j and 2j + 1: their scales as int16 in every lane.
                     let shuffle = |s: i16| _mm256_set1_epi16(((2 * s + 1) << 8) | (2 * s));
                     let sl = _mm256_shuffle_epi8(scales, shuffle(2 * j as i16));
                     let sh = _mm256_shuffle_epi8(scales, shuffle(2 * j as i16 + 1));
-                    let q4 = _mm256_loadu_si256(x.add(16 + 32 * j).cast());
-                    let q4l = _mm256_and_si256(q4, m4);
-                    let q4h = _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4);
+                    let q4 = _mm256_loadu_si256(x.add(qs + 32 * j).cast());
+                    let q4l = fifth(_mm256_and_si256(q4, m4), 2 * j as i32);
+                    let q4h = fifth(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(q4), m4),
+                        2 * j as i32 + 1,
+                    );
                     for (s, y) in sumi.iter_mut().zip(y) {
                         let q8l = _mm256_loadu_si256(y.add(4 + 64 * j).cast());
                         let q8h = _mm256_loadu_si256(y.add(4 + 64 * j + 32).cast());
@@ -456,13 +507,69 @@ unsafe fn q4_k<const T: usize>(
     }
     std::array::from_fn(|t| {
         std::array::from_fn(|r| {
-            // ggml's reduction of its four min lanes, then its final sum.
             let m = acc_m[t][r];
-            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            hsum_float_8(acc[t][r]) + _mm_cvtss_f32(m)
+            let m = if FIFTH {
+                _mm_cvtss_f32(m)
+            } else {
+                // ggml's reduction of its four min lanes.
+                let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+                _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)))
+            };
+            hsum_float_8(acc[t][r]) + m
         })
     })
+}
+
+/// Four rows of IQ4_XS against `T` Q8_K activation rows, `supers` blocks each.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs<const T: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    acts: [*const u8; T],
+    supers: usize,
+) -> [[f32; GROUP]; T] {
+    let m4 = _mm_set1_epi8(0x0f);
+    let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
+    let mut acc = [[_mm256_setzero_ps(); GROUP]; T];
+    for b in 0..supers {
+        prefetch_ahead(w, row_bytes, b, IQ4_XS_BLOCK);
+        // SAFETY: block b of the four rows and of each activation row, per the contract.
+        unsafe {
+            let y = acts.map(|a| a.add(b * Q8_K_BLOCK));
+            for r in 0..GROUP {
+                let x = w.add(r * row_bytes + b * IQ4_XS_BLOCK);
+                let high = x.add(2).cast::<u16>().read_unaligned();
+                let mut sumi = [_mm256_setzero_si256(); T];
+                for s in 0..8 {
+                    // The sub-block's signed 6-bit scale: a nibble and two high bits, less 32.
+                    let lo = (x.add(4 + s / 2).read() >> (4 * (s % 2))) & 0xf;
+                    let ls = (i16::from(lo) | (((high >> (2 * s)) & 3) << 4) as i16) - 32;
+                    let q = _mm_loadu_si128(x.add(8 + 16 * s).cast());
+                    // Low nibbles are values 0..16, high ones 16..32.
+                    let v = _mm256_set_m128i(
+                        _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), m4)),
+                        _mm_shuffle_epi8(table, _mm_and_si128(q, m4)),
+                    );
+                    let abs = _mm256_sign_epi8(v, v);
+                    let ls = _mm256_set1_epi16(ls);
+                    for (acc, y) in sumi.iter_mut().zip(y) {
+                        let q8 = _mm256_loadu_si256(y.add(4 + 32 * s).cast());
+                        let p = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(q8, v));
+                        *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ls));
+                    }
+                }
+                let xd = fp16_at(x);
+                for (t, y) in y.iter().enumerate() {
+                    let d = _mm256_set1_ps(xd * y.cast::<f32>().read_unaligned());
+                    acc[t][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[t]), acc[t][r]);
+                }
+            }
+        }
+    }
+    acc.map(|a| a.map(|v| hsum_float_8(v)))
 }
 
 /// Four rows of Q6_K against `T` Q8_K activation rows, `supers` blocks each.

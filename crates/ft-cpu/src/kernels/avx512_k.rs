@@ -226,7 +226,9 @@ unsafe fn pass<const KIND: u8, const T: usize>(
                     let mut d = [0f32; GROUP];
                     _mm_storeu_ps(d.as_mut_ptr(), dr);
                     for ((a, d), i) in acc1[t].iter_mut().zip(d).zip(isum1[t]) {
-                        *a += d * i as f32; // ggml's `accum1 += d * sumi1`
+                        // ggml's `accum1 += d * sumi1`, contracted to a fused multiply-add as
+                        // ggml is built with FMA.
+                        *a = d.mul_add(i as f32, *a);
                     }
                 }
             }

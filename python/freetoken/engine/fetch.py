@@ -1,0 +1,179 @@
+"""The fetch share of ``hybrid``'s steps of several tokens: how many of a MoE layer's missed
+experts to upload over PCIe and compute on the GPU while the CPU expert executor computes the
+others, so that both sides finish together (docs/hybrid.md, "Fetching part of the misses").
+
+The model, per layer and step: each missed expert is read once by the side that computes it
+(the executor groups a step's routes by expert), ``S`` bytes. Uploading ``n_f`` of them takes
+``n_f S / B_pcie`` and the GPU then computes them in ``n_f S / B_gpu``; the CPU reads the
+other ``n_c = n - n_f`` in ``n_c S / B_cpu``. The layer's time is the larger of the two, plus
+a fixed host cost when anything is fetched (the routes read back, the copies issued). Each
+``B`` is the layer kind's ``bench-bw`` figure: with the other link busy when both run
+(``cpu_t1_with_pcie``, ``pcie_expert_with_cpu``), alone when one side has nothing
+(``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_expert``). The rule takes
+the whole number of experts with the least time, the fewest uploads among equals; the experts
+with the most routes go first (the GPU computes many routes of an expert for little more than
+one, the CPU does not). Above 8 tokens a step (``price_routes``) each CPU route is priced as
+one expert read instead, as the stream-or-split rule prices it (docs/hybrid.md): the CPU
+computing many tokens an expert is bound by its arithmetic.
+
+This module is pure: numbers in, a :class:`FetchChoice` out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from freetoken.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from freetoken.engine.bandwidth_profile import KindBandwidth
+
+__all__ = [
+    "DEFAULT_B_CPU",
+    "DEFAULT_B_GPU",
+    "DEFAULT_B_PCIE",
+    "FETCH_OVERHEAD_S",
+    "FetchChoice",
+    "Links",
+    "choose_fetch",
+    "step_bucket",
+]
+
+#: Bandwidths assumed without a ``bench-bw`` profile, GB/s: the CPU expert kernels, pinned
+#: host-to-GPU copies, the GPU expert kernels.
+DEFAULT_B_CPU, DEFAULT_B_PCIE, DEFAULT_B_GPU = 50.0, 25.0, 1000.0
+#: Host time a layer pays when it fetches at all: its routes read back (a stream
+#: synchronization) and the copies and launches issued from Python (an estimate).
+FETCH_OVERHEAD_S = 150e-6
+#: Upper bounds of the step-size buckets the fetch counters are kept in (tokens a step).
+BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class Links:
+    """One layer kind's bandwidths, GB/s: each link alone and while the other one runs."""
+
+    cpu: float
+    pcie: float
+    gpu: float
+    cpu_with_pcie: float
+    pcie_with_cpu: float
+
+    @classmethod
+    def of(cls, kind: KindBandwidth | None) -> Links:
+        """From a layer kind's ``bench-bw`` figures; what was not measured is assumed
+        (the defaults above; a link's figure alone when it was not measured together)."""
+        if kind is None:
+            return cls(DEFAULT_B_CPU, DEFAULT_B_PCIE, DEFAULT_B_GPU, DEFAULT_B_CPU, DEFAULT_B_PCIE)
+        pcie = kind.b_pcie_gbps or DEFAULT_B_PCIE
+        return cls(
+            cpu=kind.b_cpu_gbps,
+            pcie=pcie,
+            gpu=kind.b_gpu_gbps or DEFAULT_B_GPU,
+            cpu_with_pcie=kind.b_cpu_with_pcie_gbps or kind.b_cpu_gbps,
+            pcie_with_cpu=kind.b_pcie_with_cpu_gbps or pcie,
+        )
+
+
+@dataclass(frozen=True)
+class FetchChoice:
+    """Which missed experts a layer uploads: the first ``n_fetch`` of ``order`` (the missed
+    experts, most routes first); the routes and bytes on each side, and the model's times."""
+
+    order: np.ndarray
+    routes: np.ndarray
+    n_fetch: int
+    expert_bytes: int
+    upload_s: float
+    cpu_s: float
+
+    @property
+    def fetched(self) -> np.ndarray:
+        """The experts to upload."""
+        return self.order[: self.n_fetch]
+
+    @property
+    def share(self) -> float:
+        """Uploaded experts over missed experts (0 when nothing missed)."""
+        return self.n_fetch / len(self.order) if len(self.order) else 0.0
+
+    @property
+    def fetch_routes(self) -> int:
+        return int(self.routes[: self.n_fetch].sum())
+
+    @property
+    def cpu_routes(self) -> int:
+        return int(self.routes[self.n_fetch :].sum())
+
+    @property
+    def fetch_bytes(self) -> int:
+        return self.n_fetch * self.expert_bytes
+
+    @property
+    def cpu_bytes(self) -> int:
+        return (len(self.order) - self.n_fetch) * self.expert_bytes
+
+
+def _times(reads: np.ndarray, expert_bytes: int, links: Links) -> tuple[np.ndarray, np.ndarray]:
+    """(upload + GPU seconds, CPU seconds) of fetching the first 0..n of ``n`` missed experts
+    that the CPU would read ``reads[i]`` times each."""
+    n = len(reads)
+    n_f = np.arange(n + 1, dtype=np.float64)
+    left = reads.sum() - np.concatenate([[0.0], np.cumsum(reads)])  # CPU reads left
+    both = (n_f > 0) & (n_f < n)
+    b_pcie = np.where(both, links.pcie_with_cpu, links.pcie)
+    b_cpu = np.where(both, links.cpu_with_pcie, links.cpu)
+    upload = n_f * expert_bytes * (1 / b_pcie + 1 / links.gpu) / 1e9
+    return upload, left * expert_bytes / b_cpu / 1e9
+
+
+def choose_fetch(
+    experts: np.ndarray,
+    routes: np.ndarray,
+    expert_bytes: int,
+    links: Links,
+    *,
+    share: float | None = None,
+    max_fetch: int | None = None,
+    overhead_s: float = FETCH_OVERHEAD_S,
+    price_routes: bool = False,
+) -> FetchChoice:
+    """The fetch choice of one layer's missed ``experts`` (ids), ``routes[i]`` routes each,
+    ``expert_bytes`` an expert: the fastest split by the model (module docs), or the
+    ``share`` forced (``--moe-fetch-share``: that fraction of the missed experts, rounded).
+    At most ``max_fetch`` experts are fetched (the staging room). ``price_routes`` prices
+    each of the CPU's routes as one expert read instead of each expert as one (the CPU
+    computing many tokens is bound by its arithmetic, not its reads)."""
+    experts = np.asarray(experts, dtype=np.int64)
+    routes = np.asarray(routes, dtype=np.float64)
+    if experts.shape != routes.shape or experts.ndim != 1:
+        raise InvalidInputError(f"{experts.shape} experts with {routes.shape} route counts")
+    if share is not None and not 0.0 <= share <= 1.0:
+        raise InvalidInputError(f"a fetch share must be within 0-1, got {share}")
+    order_ix = np.lexsort((experts, -routes))  # most routes first, then by id
+    order, counts = experts[order_ix], routes[order_ix]
+    n = len(order)
+    cap = n if max_fetch is None else max(0, min(n, max_fetch))
+    upload, cpu = _times(counts if price_routes else np.ones(n), expert_bytes, links)
+    if share is not None:
+        n_fetch = min(cap, int(np.floor(share * n + 0.5)))
+    else:
+        total = np.maximum(upload, cpu)[: cap + 1]
+        total[1:] += overhead_s
+        n_fetch = int(np.argmin(total))  # the first minimum: the fewest uploads
+    return FetchChoice(
+        order, counts, n_fetch, expert_bytes, float(upload[n_fetch]), float(cpu[n_fetch])
+    )
+
+
+def step_bucket(n_tokens: int) -> str:
+    """The counters' label of a step of ``n_tokens``: ``"1"``, ``"2-4"``, ... ``"257-512"``."""
+    lo = 1
+    for hi in BUCKETS:
+        if n_tokens <= hi:
+            return str(hi) if lo == hi else f"{lo}-{hi}"
+        lo = hi + 1
+    return f"{lo}+"

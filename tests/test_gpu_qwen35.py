@@ -1,0 +1,233 @@
+"""The Gated DeltaNet hybrids (qwen35, qwen35moe, qwen3next) on the GPU, against the same
+models on the CPU engine (whose own check against llama.cpp is tests/test_qwen35.py).
+
+Teacher-forced on the CPU engine's greedy continuation: a prompt shorter than one delta-rule
+chunk and one longer than two prefill chunks, run in prefill chunks, then 64 tokens fed one
+decode step at a time; on every position the GPU's argmax equals the CPU's except at the
+CPU's near-ties and the mean KL(CPU || GPU) is at most 0.005. Each GPU strategy (``gpu``,
+``offload``, ``hybrid`` with a cache smaller than one layer's experts, ``cpu``: every route
+through the hand-off) on the MoE architectures; the dense one has no experts to place.
+Decode steps replay CUDA graphs (the recurrent step updates the cache's state buffers in
+place) and give the eager step's logits, one sequence or several in one graph; a cut back
+to a snapshot on the GPU continues as a fresh run. Through the live server on ``hybrid``:
+a multi-turn chat and a shared system prompt reuse their prefixes and give the fresh runs'
+outputs, and requests never read each other's state (tests/test_server_hybrid_prefix.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import test_server_hybrid_prefix as prefix  # noqa: E402
+from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.llm import LLM, PROMPT_CHUNK  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
+from freetoken.runtime.recurrent_cache import HybridCache  # noqa: E402
+from synthetic import build_models  # noqa: E402
+from teacher_forced import compare  # noqa: E402
+from test_qwen35 import SHORT, _long_prompt  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
+    ),
+]
+
+N_GEN = 64
+MAX_KL = 0.005
+N_CTX = 2048
+
+_BASE: dict[str, Any] = dict(
+    layers=4, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, seed=5
+)
+_MOE: dict[str, Any] = dict(experts=8, top_k=2, expert_ffn=256)
+MODELS = {
+    "qwen35": dict(arch="qwen35", quant="q4_k,ssm=q6_k,attn_qkv=q5_k,output=q6_k"),
+    "qwen35moe": dict(arch="qwen35moe", quant="q8_0,exps=q4_k,ffn_down_exps=q6_k", **_MOE),
+    "qwen3next": dict(arch="qwen3next", quant="q5_k,exps=q4_0,shexp=q8_0,ssm=q8_0", **_MOE),
+}
+STRATEGIES = ["gpu", "offload", "hybrid", "cpu"]
+CASES = [("qwen35", "gpu")] + [(m, s) for m in ("qwen35moe", "qwen3next") for s in STRATEGIES]
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_models(MODELS, _BASE, tmp_path_factory.mktemp("gpu-qwen35"))
+
+
+def _run_prompt(model: Any, prompt: list[int], cache: Any) -> np.ndarray:
+    """The prompt's logits, run in prefill chunks on ``cache``."""
+    rows = [
+        model.forward(prompt[i : i + PROMPT_CHUNK], cache, all_logits=True)
+        for i in range(0, len(prompt), PROMPT_CHUNK)
+    ]
+    return torch.cat(rows).numpy()
+
+
+def _run(model: Any, prompt: list[int], gen: list[int], cache: Any = None) -> np.ndarray:
+    """Logits of every position but the last: the prompt in prefill chunks, then the
+    continuation one decode step at a time (on a new cache unless ``cache``)."""
+    cache = cache if cache is not None else model.new_cache(N_CTX)
+    rows = [_run_prompt(model, prompt, cache)]
+    rows += [model.forward([t], cache)[None].numpy() for t in gen[:-1]]
+    return np.concatenate(rows)
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    cache = model.new_cache(N_CTX)
+    logits, out = model.forward(prompt, cache), []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward(out[-1:], cache)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(model_files: dict[str, Path]) -> dict[str, list[tuple[list[int], list[int], Any]]]:
+    """Per model, per prompt: (prompt tokens, the CPU's greedy continuation, the CPU's
+    logits of every position but the last)."""
+    runs = {}
+    for name, path in model_files.items():
+        cpu = LLM(path, n_ctx=N_CTX, engine=EngineOptions(device="cpu"))
+        runs[name] = []
+        for text in (SHORT, _long_prompt()):
+            prompt = cpu.tokenize(text)
+            assert len(prompt) < 64 or len(prompt) > 2 * PROMPT_CHUNK
+            gen = _greedy(cpu.model, prompt, N_GEN)
+            runs[name].append((prompt, gen, _run(cpu.model, prompt, gen)))
+    return runs
+
+
+def _gpu_llm(path: Path, strategy: str) -> LLM:
+    # 1 MiB of slots: fewer than one layer's experts on these models.
+    mib = 1 if strategy in ("offload", "hybrid") else None
+    opts = EngineOptions(device="cuda", moe_strategy=strategy, moe_cache_mib=mib)
+    return LLM(path, n_ctx=N_CTX, engine=opts)
+
+
+def _check(what: str, ref: np.ndarray, ours: np.ndarray) -> None:
+    assert np.isfinite(ours).all(), f"{what}: non-finite logits"
+    c = compare(ref, ours)
+    assert not c.mismatches, f"{what}: {c.describe()}"
+    assert c.mean_kl <= MAX_KL, f"{what}: {c.describe()}"
+
+
+@pytest.mark.parametrize(("name", "strategy"), CASES)
+def test_gpu_matches_cpu(
+    name: str, strategy: str, model_files: dict[str, Path], cpu_runs: dict[str, Any]
+) -> None:
+    llm = _gpu_llm(model_files[name], strategy)
+    place = llm.placement
+    assert place is not None and place.strategy == strategy
+    # Decode is one graph per step wherever no layer waits for Python (offload uploads).
+    assert place.graphs == (strategy != "offload" or name == "qwen35"), place.describe()
+    if strategy == "cpu":
+        assert place.handoff_cpu_layers and not place.cpu_layers
+    for prompt, gen, ref in cpu_runs[name]:
+        what = f"{name} {strategy} ({len(prompt)} prompt tokens)"
+        _check(what, ref, _run(llm.model, prompt, gen))
+        whole = llm.logits(prompt + gen)[:-1].numpy()  # all of it as prompt chunks
+        _check(f"{what} prefill", ref, whole)
+    if place.graphs:
+        assert llm.model.graphs is not None and llm.model.graphs.graphs, "no graph ran"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_graph_decode_equals_eager_decode(
+    name: str, model_files: dict[str, Path], cpu_runs: dict[str, Any]
+) -> None:
+    """The captured recurrent step (state buffers updated in place, the warm-up passes'
+    updates put back) gives the eager step's logits, step after step."""
+    llm = _gpu_llm(model_files[name], "hybrid" if name != "qwen35" else "gpu")
+    model = llm.model
+    graphs = model.graphs
+    assert graphs is not None
+    prompt, gen, _ = cpu_runs[name][0]
+    replayed = _run(model, prompt, gen)
+    assert graphs.graphs, "no graph ran"
+    model.graphs = None
+    try:
+        eager = _run(model, prompt, gen)
+    finally:
+        model.graphs = graphs
+    np.testing.assert_allclose(replayed, eager, atol=2e-3, rtol=1e-3)
+
+
+def test_batched_decode_graph_keeps_each_state(
+    model_files: dict[str, Path], cpu_runs: dict[str, Any]
+) -> None:
+    """Two sequences decoded together, one token each per step (the server's continuous
+    batching), replayed as one graph: each keeps its own recurrent state and matches the
+    CPU. The second joins five steps late and ends first (graphs of 1, 2, 1 sequences)."""
+    name = "qwen35moe"
+    llm = _gpu_llm(model_files[name], "gpu")
+    model = llm.model
+    assert model.graphs is not None
+    runs = [r[:2] for r in cpu_runs[name]]
+    runs[1] = (runs[1][0], runs[1][1][:40])
+    seqs = [p + g for p, g in runs]
+    caches = [model.new_cache(N_CTX) for _ in runs]
+    outs = [[_run_prompt(model, p, c)] for (p, _), c in zip(runs, caches, strict=True)]
+    nxt = [len(p) for p, _ in runs]
+    joins, step = [0, 5], 0
+    while live := [i for i, s in enumerate(seqs) if step >= joins[i] and nxt[i] < len(s) - 1]:
+        rows = model.forward_batch([([seqs[i][nxt[i]]], caches[i]) for i in live])
+        for i, row in zip(live, rows, strict=True):
+            outs[i].append(row.numpy()[None])
+            nxt[i] += 1
+        step += 1
+    assert any(len(key[0]) == 2 for key in model.graphs.graphs), "no two-sequence graph ran"
+    for (prompt, _), out, (_, _, ref) in zip(runs, outs, cpu_runs[name], strict=True):
+        got = np.concatenate(out)
+        _check(f"batched decode ({len(prompt)} prompt tokens)", ref[: got.shape[0]], got)
+
+
+def test_snapshot_restore_on_the_gpu(
+    model_files: dict[str, Path], cpu_runs: dict[str, Any]
+) -> None:
+    """A cache on the GPU cut back to the snapshot where a prompt chunk ended (after decode
+    steps captured as graphs moved its state on) continues as a fresh run; a cut before any
+    snapshot runs again from the start."""
+    name = "qwen3next"
+    llm = _gpu_llm(model_files[name], "gpu")
+    model = llm.model
+    prompt, gen, ref = cpu_runs[name][1]
+    cache = model.new_cache(N_CTX)
+    assert isinstance(cache, HybridCache) and cache.ssm[0].is_cuda
+    _run_prompt(model, prompt, cache)
+    for t in gen[:8]:
+        model.forward([t], cache)
+    assert cache.truncate(PROMPT_CHUNK + 10) == PROMPT_CHUNK
+    seq = prompt + gen
+    rest = [model.forward(seq[PROMPT_CHUNK:], cache, all_logits=True)[:-1].numpy()]
+    _check("after a cut to a snapshot", ref[PROMPT_CHUNK:], np.concatenate(rest))
+    assert cache.truncate(PROMPT_CHUNK - 1) == 0
+    assert all(not s.any() for s in cache.ssm) and all(not c.any() for c in cache.conv)
+    _check("after a cut to nothing", ref, _run(model, prompt, gen, cache))
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model = prefix.build_model(tmp_path_factory.mktemp("prefix-model"))
+    log = tmp_path_factory.mktemp("server") / "stderr.txt"
+    with prefix.serve(model, log, prefix.GPU_ARGS) as srv:
+        yield srv
+
+
+def test_server_multi_turn_chat(gpu_server: Any) -> None:
+    prefix.check_multi_turn_chat(gpu_server)
+
+
+def test_server_shared_system_prompt(gpu_server: Any) -> None:
+    prefix.check_shared_system_prompt(gpu_server)
+
+
+def test_server_requests_isolated(gpu_server: Any) -> None:
+    prefix.check_isolation(gpu_server)

@@ -1,0 +1,128 @@
+"""The layer split over several GPUs (engine/split.py): llama.cpp's layer rule worked out by
+hand for given proportions, the expert cache divided by expert bytes, and each bad flag a
+clear error (``EngineOptions``, the planner with a given GPU count, the CLI: one line, exit
+code 2). The GPU run of a one-range split is in test_gpu_models.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from freetoken.engine.options import EngineOptions
+from freetoken.engine.split import parse_tensor_split, plan_split
+from freetoken.errors import InvalidInputError, UnsupportedError
+
+
+def test_proportions_three_to_one_over_48_layers() -> None:
+    # Split points 0.75 and 1.0; layer i goes to GPU 0 while i / 49 < 0.75, i.e. i <= 36; the
+    # output layer (i = 48, 48 / 49 = 0.98) to GPU 1.
+    plan = plan_split(48, 2, tensor_split=(3, 1))
+    assert plan.devices == (0, 1)
+    assert plan.ranges == (range(0, 37), range(37, 48))
+    assert plan.output_device == 1
+    assert [plan.device_of(i) for i in (0, 36, 37, 47)] == [0, 0, 1, 1]
+
+
+def test_free_memory_weighs_the_gpus_without_proportions() -> None:
+    # 24 and 8 GiB free: points 0.75 and 1.0 as for 3,1; equal free memory over 9 layers:
+    # points 0.5 and 1.0, layer i on GPU 0 while i / 10 < 0.5, i.e. 0-4.
+    gib = 1 << 30
+    assert plan_split(48, 2, free_bytes=[24 * gib, 8 * gib]).ranges == (range(37), range(37, 48))
+    assert plan_split(9, 2, free_bytes=[gib, gib]).ranges == (range(5), range(5, 9))
+
+
+def test_a_zero_proportion_leaves_a_gpu_out() -> None:
+    # Points 0.5, 0.5, 1.0: nothing falls below 0.5 on GPU 1 that GPU 0 does not take.
+    plan = plan_split(10, 3, tensor_split=(1, 0, 1))
+    assert plan.devices == (0, 2)
+    assert plan.ranges == (range(6), range(6, 10))  # i / 11 < 0.5 for i <= 5
+
+
+def test_cache_divided_by_expert_bytes() -> None:
+    # 4 layers, 2 GPUs at 1,1: points 0.5 and 1.0, layers 0-2 (i / 5 < 0.5) and 3. Layer 0 is
+    # dense; the others carry 100 bytes of experts each: GPU 0 holds 200 of 300 bytes.
+    plan = plan_split(4, 2, tensor_split=(1, 1), cache_mib=900, expert_bytes=[0, 100, 100, 100])
+    assert plan.ranges == (range(3), range(3, 4))
+    assert plan.cache_mib == (600, 300)
+    # 1000 over the same 2:1 bytes: 666 and 333 rounded down, the MiB left to the larger share.
+    assert plan_split(
+        4, 2, tensor_split=(1, 1), cache_mib=1000, expert_bytes=[0, 100, 100, 100]
+    ).cache_mib == (667, 333)
+
+
+def test_one_gpu_or_mode_none_is_one_range_on_the_main_gpu() -> None:
+    assert plan_split(30, 1).ranges == (range(30),)
+    plan = plan_split(30, 4, mode="none", main_gpu=2, cache_mib=512)
+    assert (plan.devices, plan.ranges, plan.cache_mib, plan.output_device) == (
+        (2,),
+        (range(30),),
+        (512,),
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(tensor_split=(1, 1, 1)), "3 proportions for 2 GPUs"),
+        (dict(tensor_split=(1,)), "1 proportions for 2 GPUs"),
+        (dict(tensor_split=(1, -1)), "proportions must be >= 0"),
+        (dict(tensor_split=(0, 0)), "not all zero"),
+        (dict(main_gpu=2), "--main-gpu 2: this host has 2 GPUs"),
+        (dict(main_gpu=-1), "--main-gpu -1"),
+        (dict(mode="none", tensor_split=(1, 1)), "--tensor-split needs --split-mode layer"),
+        (dict(mode="rows"), "--split-mode rows"),
+    ],
+)
+def test_bad_split_flags_name_the_flag(kwargs: dict, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        plan_split(8, 2, **kwargs)
+
+
+def test_row_split_is_refused() -> None:
+    with pytest.raises(UnsupportedError, match="--split-mode row"):
+        plan_split(8, 2, mode="row")
+
+
+@pytest.mark.parametrize(
+    ("text", "want"), [("3,1", (3.0, 1.0)), ("1/1/2", (1.0, 1.0, 2.0)), (" 0.5, 0 ", (0.5, 0.0))]
+)
+def test_tensor_split_syntax(text: str, want: tuple[float, ...]) -> None:
+    assert parse_tensor_split(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("1,x", "'x' is not a number"), ("1,-2", "-2"), ("0,0", "zero"), ("nan,1", "nan")],
+)
+def test_bad_tensor_split_syntax(text: str, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        parse_tensor_split(text)
+
+
+def test_engine_options_check_the_flags() -> None:
+    with pytest.raises(InvalidInputError, match="--main-gpu must be >= 0"):
+        EngineOptions(main_gpu=-1)
+    with pytest.raises(InvalidInputError, match="every proportion is zero"):
+        EngineOptions(tensor_split=(0.0, 0.0))
+    with pytest.raises(InvalidInputError, match="--split-mode"):
+        EngineOptions(split_mode="tensor")
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["-ts", "1,-1"], "--tensor-split"),
+        (["--tensor-split", "0,0"], "every proportion is zero"),
+        (["-mg", "-1"], "--main-gpu"),
+    ],
+)
+def test_cli_bad_split_flags_one_line_exit_2(flags: list[str], match: str) -> None:
+    cmd = ["generate", "-m", "missing.gguf", "-n", "1", "-p", "hi", *flags]
+    r = subprocess.run(
+        [sys.executable, "-m", "freetoken.cli", *cmd], capture_output=True, text=True
+    )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], r.stderr
