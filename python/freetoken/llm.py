@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Any
@@ -27,7 +27,7 @@ from freetoken.engine.speculative import (
     SynthAcceptance,
     check_draft_vocab,
     cut_cache,
-    make_drafter,
+    drafter_factory,
     verify_tokens,
 )
 from freetoken.errors import InvalidInputError
@@ -138,14 +138,18 @@ class LLM:
             else None
         )
         self.spec = spec or SpecOptions()
-        #: draft-simple's model and its file.
-        self.draft: tuple[Transformer, GGUFFile] | None = None
+        #: draft-simple's model.
+        self.draft: Transformer | None = None
         if self.spec.draft_model is not None:
             draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
             check_draft_vocab(self.gguf, draft_gguf)
-            self.draft = (load_model(draft_gguf, None, moe_threads), draft_gguf)
-        if self.spec.spec_type == "draft-mtp":
-            make_drafter(self.spec, self.model, self.gguf, 1)  # the file has a head
+            self.draft = load_model(draft_gguf, None, moe_threads)
+        #: Makes a sequence's drafter (None: no speculative decoding).
+        self.drafters: Callable[[], Drafter] | None = None
+        if self.spec.enabled:
+            self.drafters = drafter_factory(
+                self.spec, self.model, self.gguf, self.n_ctx, self.draft
+            )
         self._drafter: Drafter | None = None
         # Allocated on first use: the server brings its own caches.
         self._cache: KVCache | None = None
@@ -208,10 +212,8 @@ class LLM:
         common = min(common, len(tokens) - 1)  # the last token must run to give logits
         if self._cache is None:
             self._cache = self.model.new_cache(self.n_ctx, max_step=PROMPT_CHUNK)
-            if self.spec.enabled:
-                self._drafter = make_drafter(
-                    self.spec, self.model, self.gguf, self.n_ctx, self.draft
-                )
+            if self.drafters is not None:
+                self._drafter = self.drafters()
         common = self._cache.truncate(common)
         if self._drafter is not None:
             self._drafter.rewind(common)

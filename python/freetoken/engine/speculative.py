@@ -37,6 +37,7 @@ from freetoken.runtime.speculative import ngram_draft
 
 if TYPE_CHECKING:
     from freetoken.gguf import GGUFFile
+    from freetoken.models.mtp import MtpHead
     from freetoken.models.transformer import Transformer
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
     "SynthAcceptance",
     "check_draft_vocab",
     "cut_cache",
-    "make_drafter",
+    "drafter_factory",
     "verify_tokens",
 ]
 
@@ -154,13 +155,11 @@ class MtpDrafter:
 
     needs_hidden = True
 
-    def __init__(self, model: Transformer, gguf: GGUFFile, n_ctx: int) -> None:
-        from freetoken.models.mtp import MtpHead
-
-        self.head = MtpHead(model, gguf)
-        self.cache = self.head.new_cache(n_ctx)
+    def __init__(self, head: MtpHead, n_ctx: int) -> None:
+        self.head = head
+        self.cache = head.new_cache(n_ctx)
         #: The target's final hidden state per position (on the CPU, with the head).
-        self.hidden = torch.zeros(n_ctx, model.cfg.hidden)
+        self.hidden = torch.zeros(n_ctx, head.model.cfg.hidden)
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
         """Runs the head on the target's step: each token with the hidden state before it."""
@@ -201,21 +200,26 @@ def _vocab(gguf: GGUFFile) -> list[str] | None:
     return tokens if isinstance(tokens, list) else None
 
 
-def make_drafter(
+def drafter_factory(
     opts: SpecOptions,
     model: Transformer,
     gguf: GGUFFile,
     n_ctx: int,
-    draft: tuple[Transformer, GGUFFile] | None = None,
-) -> Drafter:
-    """The drafter of ``opts`` for one sequence of the target ``model`` (``gguf``); ``draft``
-    is the loaded draft model of ``draft-simple``."""
+    draft: Transformer | None = None,
+) -> Callable[[], Drafter]:
+    """Makes the drafters of ``opts`` for sequences of ``n_ctx`` tokens of the target
+    ``model`` (``gguf``); ``draft`` is the loaded draft model of ``draft-simple``. What the
+    sequences share (the MTP head's weights) is loaded here, once: InvalidInputError when
+    the file has no MTP layer."""
     if opts.spec_type == "ngram-simple":
-        return NgramDrafter(opts)
+        return lambda: NgramDrafter(opts)
     if opts.spec_type == "draft-mtp":
-        return MtpDrafter(model, gguf, n_ctx)
+        from freetoken.models.mtp import MtpHead
+
+        head = MtpHead(model, gguf)
+        return lambda: MtpDrafter(head, n_ctx)
     assert opts.spec_type == "draft-simple" and draft is not None
-    return ModelDrafter(draft[0], n_ctx)
+    return lambda: ModelDrafter(draft, n_ctx)
 
 
 def check_draft_vocab(target: GGUFFile, draft: GGUFFile) -> None:

@@ -14,14 +14,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from freetoken.engine import options as engine_options
 from freetoken.engine import spec_options
 
 if TYPE_CHECKING:
-    from freetoken.engine.speculative import Drafter
     from freetoken.server.scheduler import SchedulerHooks
 
 __all__ = ["add_arguments", "build_state", "run"]
@@ -202,13 +200,12 @@ def build_state(
     metrics = ServerMetrics(lambda: holder["state"].status())
     metrics.registry.add_source(_moe_counters(llm.model))
     metrics.registry.add_source(_expert_placement(llm))
-    drafter: Callable[[], Drafter] | None = None
-    if llm.spec.enabled:
-        from freetoken.engine.speculative import make_drafter
+    if llm.drafters is not None and n_ctx != llm.n_ctx:
+        from freetoken.engine.speculative import drafter_factory
 
-        def drafter() -> Drafter:
-            return make_drafter(llm.spec, llm.model, llm.gguf, n_ctx, llm.draft)
-
+        drafters = drafter_factory(llm.spec, llm.model, llm.gguf, n_ctx, llm.draft)
+    else:
+        drafters = llm.drafters
     scheduler = Scheduler(
         llm.model,
         llm.tokenizer,
@@ -221,7 +218,7 @@ def build_state(
         if llm.audit is None
         else cast("SchedulerHooks", _Audited(metrics, llm.audit)),
         spec=llm.spec,
-        drafter=drafter,
+        drafter=drafters,
     )
     template = getattr(llm.tokenizer, "chat_template", None)
     cfg = ServerConfig(
