@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from freetoken.engine.options import DENSE_MODES
 from freetoken.errors import InvalidInputError
-from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
+from freetoken.models.layers import Embedding, HeadwiseLinear, Linear, finish
 from freetoken.quant import dequantize, type_info
 from freetoken.runtime import gpu
 
@@ -107,6 +107,7 @@ class GpuLinear:
         self.name = lin.name
         self.n, self.k = lin.n, lin.k
         self.bias = None if lin.bias is None else lin.bias.to(device)
+        self.scale = lin.scale
         #: The fused group this layer belongs to (see :class:`GpuLinearGroup`).
         self.group: GpuLinearGroup | None = None
         qtype = lin.weight.qtype
@@ -129,9 +130,7 @@ class GpuLinear:
             return self.group(x)[self.group.members.index(self)]
         assert self.w is not None
         lead = x.shape[:-1]
-        y = self.w.matmul(x.reshape(-1, self.k))
-        if self.bias is not None:
-            y = y + self.bias
+        y = finish(self.w.matmul(x.reshape(-1, self.k)), self.scale, self.bias)
         return y.view(*lead, self.n)
 
 
@@ -147,6 +146,12 @@ class GpuLinearGroup:
         if any(m.bias is not None for m in self.members):
             self.bias = torch.cat(
                 [m.bias if m.bias is not None else torch.zeros(m.n, device=w.device)
+                 for m in self.members]
+            )  # fmt: skip
+        self.scale = None
+        if any(m.scale is not None for m in self.members):
+            self.scale = torch.cat(
+                [torch.full((m.n,), 1.0 if m.scale is None else m.scale, device=w.device)
                  for m in self.members]
             )  # fmt: skip
         for m in self.members:
@@ -171,9 +176,7 @@ class GpuLinearGroup:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         lead = x.shape[:-1]
-        y = self.w.matmul(x.reshape(-1, self.members[0].k))
-        if self.bias is not None:
-            y = y + self.bias
+        y = finish(self.w.matmul(x.reshape(-1, self.members[0].k)), self.scale, self.bias)
         return [
             part.view(*lead, n) for part, n in zip(y.split(self.sizes, -1), self.sizes, strict=True)
         ]

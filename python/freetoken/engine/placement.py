@@ -157,7 +157,7 @@ def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
     if isinstance(val, dict):
         return [w for k, v in val.items() for w in _left_on_host(v, f"{where}[{k!r}]", seen)]
     if isinstance(val, MoeFFN):
-        parts = {"router": val.router, "shared": val.shared}
+        parts: dict[str, Any] = {"router": val.router, "shared": val.shared}
         parts |= {n: v for n, v in vars(val).items() if isinstance(v, torch.Tensor)}
     elif _is_model_part(val):
         parts = vars(val)

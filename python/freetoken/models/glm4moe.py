@@ -14,6 +14,7 @@ from freetoken.models.layers import Linear, load_vector
 from freetoken.models.transformer import FFN, DenseFFN, Features, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import GATING_FUNCS, Routing
+from freetoken.runtime.scales import expert_scales
 
 FEATURES = Features(rope_neox=True, ffn_norm="post_attention_norm", optional_qk_norm=True)
 
@@ -54,7 +55,8 @@ def moe_ffn(gguf: GGUFFile, ctx: MoeContext, cfg: ModelConfig, i: int, default_f
         # the dense size over the experts used.
         expert_ffn = cfg.expert_ffn or cfg.ffn // cfg.n_experts_used
         shared = DenseFFN(gguf, p, h, expert_ffn * int(n_shared), "silu", "_shexp")
-    return MoeFFN(layer, router, routing(cfg, default_func), ctx.executor, bias, shared)
+    scale = expert_scales(gguf, i, cfg.n_experts)
+    return MoeFFN(layer, router, routing(cfg, default_func), ctx.executor, bias, shared, scale)
 
 
 def ffn_factory(ctx: MoeContext) -> FFNFactory:

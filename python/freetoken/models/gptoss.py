@@ -14,6 +14,7 @@ from freetoken.models.layers import Linear
 from freetoken.models.transformer import FFN, Features, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import Routing
+from freetoken.runtime.scales import expert_scales
 
 FEATURES = Features(
     rope_neox=True,
@@ -39,6 +40,7 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
         routing = Routing(top_k=cfg.n_experts_used, func="softmax_weight", scale=scale)
         router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
         layer = expert_layer(gguf, ctx, i, act="swiglu_oai", biases=True)
+        expert_scales(gguf, i, cfg.n_experts, biases=True)  # refuses any
         return MoeFFN(layer, router, routing, ctx.executor)
 
     return make

@@ -17,6 +17,7 @@ from freetoken import _core
 from freetoken.errors import GGUFError, InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.quant import QuantMatrix, dequantize
+from freetoken.runtime.scales import weight_scale
 
 __all__ = [
     "Embedding",
@@ -25,6 +26,7 @@ __all__ = [
     "RopeScaling",
     "attention",
     "default_attn_scale",
+    "finish",
     "linear_group",
     "load_vector",
     "rms_norm",
@@ -34,7 +36,8 @@ __all__ = [
 
 
 class Linear:
-    """``y = x @ W.T (+ b)`` with ``W`` quantized in the mapped file."""
+    """``y = s * (x @ W.T) (+ b)`` with ``W`` quantized in the mapped file and ``s`` its
+    ``.scale`` where the file has one (:mod:`freetoken.runtime.scales`)."""
 
     def __init__(self, gguf: GGUFFile, name: str, shape: tuple[int, int]) -> None:
         gguf.expect(f"{name}.weight", shape)
@@ -43,6 +46,8 @@ class Linear:
         self.n, self.k = shape
         bias = f"{name}.bias"
         self.bias = load_vector(gguf, bias, shape[0]) if bias in gguf else None
+        scale = weight_scale(gguf, name)
+        self.scale = None if scale is None else float(scale[0])
 
     @functools.cached_property
     def spec(self) -> _core.QuantWeight:
@@ -68,7 +73,17 @@ def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor
     lead = x.shape[:-1]
     ys = [torch.empty((*lead, layer.n), dtype=torch.float32) for layer in layers]
     _core.matmul_group([layer.spec for layer in layers], x, ys)
-    return [y if ly.bias is None else y + ly.bias for y, ly in zip(ys, layers, strict=True)]
+    return [finish(y, ly.scale, ly.bias) for y, ly in zip(ys, layers, strict=True)]
+
+
+def finish(
+    y: torch.Tensor, scale: float | torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A product's output scaled by its weight's scale, then its bias added (llama.cpp's
+    order)."""
+    if scale is not None:
+        y = y * scale
+    return y if bias is None else y + bias
 
 
 class HeadwiseLinear:

@@ -13,6 +13,7 @@ from freetoken.models.layers import Linear, load_vector
 from freetoken.models.transformer import FFN, Features, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import GATING_FUNCS, Routing
+from freetoken.runtime.scales import expert_scales
 
 __all__ = ["FEATURES", "ffn_factory"]
 
@@ -42,6 +43,7 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
         router = Linear(gguf, p + "ffn_gate_inp", (cfg.n_experts, cfg.hidden))
         bias = load_vector(gguf, p + "exp_probs_b.bias", cfg.n_experts)
         layer = expert_layer(gguf, ctx, i)
-        return MoeFFN(layer, router, _routing(cfg), ctx.executor, bias)
+        scale = expert_scales(gguf, i, cfg.n_experts)
+        return MoeFFN(layer, router, _routing(cfg), ctx.executor, bias, expert_scale=scale)
 
     return make

@@ -13,6 +13,7 @@ from freetoken.models.layers import Linear
 from freetoken.models.transformer import FFN, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import Routing
+from freetoken.runtime.scales import expert_scales
 
 
 def expert_names(gguf: GGUFFile, cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -40,6 +41,7 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
         routing = Routing(top_k=cfg.n_experts_used, func="softmax", normalize=True)
         router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
         layer = expert_layer(gguf, ctx, i, "silu", False, **expert_names(gguf, cfg, i))
-        return MoeFFN(layer, router, routing, ctx.executor)
+        scale = expert_scales(gguf, i, cfg.n_experts)
+        return MoeFFN(layer, router, routing, ctx.executor, expert_scale=scale)
 
     return make

@@ -13,6 +13,7 @@ from freetoken.models.layers import Linear
 from freetoken.models.transformer import FFN, Features, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import Routing
+from freetoken.runtime.scales import expert_scales
 
 FEATURES = Features(rope_neox=True, qk_norm_full=True)
 
@@ -25,6 +26,8 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
             top_k=cfg.n_experts_used, func="softmax", normalize=cfg.expert_weights_norm
         )
         router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
-        return MoeFFN(expert_layer(gguf, ctx, i), router, routing, ctx.executor)
+        scale = expert_scales(gguf, i, cfg.n_experts)
+        layer = expert_layer(gguf, ctx, i)
+        return MoeFFN(layer, router, routing, ctx.executor, expert_scale=scale)
 
     return make

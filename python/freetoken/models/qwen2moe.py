@@ -14,6 +14,7 @@ from freetoken.models.layers import Linear, load_vector
 from freetoken.models.transformer import FFN, DenseFFN, Features, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import Routing
+from freetoken.runtime.scales import expert_scales
 
 FEATURES = Features(rope_neox=True)
 
@@ -42,6 +43,8 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
         # llama.cpp: the shared width from its key, else the dense FFN width.
         width = cfg.expert_shared_ffn or cfg.ffn
         shared = GatedSharedExpert(gguf, i, cfg.hidden, width)
-        return MoeFFN(expert_layer(gguf, ctx, i), router, routing, ctx.executor, shared=shared)
+        scale = expert_scales(gguf, i, cfg.n_experts)
+        layer = expert_layer(gguf, ctx, i)
+        return MoeFFN(layer, router, routing, ctx.executor, shared=shared, expert_scale=scale)
 
     return make

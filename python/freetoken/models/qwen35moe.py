@@ -12,6 +12,7 @@ from freetoken.models.qwen35 import FEATURES, MODEL
 from freetoken.models.transformer import FFN, FFNFactory
 from freetoken.runtime.moe import MoeContext, MoeFFN, expert_layer
 from freetoken.runtime.routing import Routing
+from freetoken.runtime.scales import expert_scales
 
 __all__ = ["FEATURES", "MODEL", "ffn_factory"]
 
@@ -24,6 +25,8 @@ def ffn_factory(ctx: MoeContext) -> FFNFactory:
         router = Linear(gguf, f"blk.{i}.ffn_gate_inp", (cfg.n_experts, cfg.hidden))
         # llama.cpp: the shared width from its key, else the dense FFN width.
         shared = GatedSharedExpert(gguf, i, cfg.hidden, cfg.expert_shared_ffn or cfg.ffn)
-        return MoeFFN(expert_layer(gguf, ctx, i), router, routing, ctx.executor, shared=shared)
+        scale = expert_scales(gguf, i, cfg.n_experts)
+        layer = expert_layer(gguf, ctx, i)
+        return MoeFFN(layer, router, routing, ctx.executor, shared=shared, expert_scale=scale)
 
     return make

@@ -109,7 +109,8 @@ class CpuExperts:
 
 
 class MoeFFN:
-    """``y = sum_j w_j * expert_j(x) (+ shared(x))`` for the experts the router picks, run by
+    """``y = sum_j w_j * expert_j(x) (+ shared(x))`` for the experts the router picks (``w_j``
+    times the expert's scale where the file has one), run by
     ``backend`` (default: :class:`CpuExperts` on ``executor``). ``layer`` holds the experts'
     weights in host memory whatever the backend."""
 
@@ -121,17 +122,23 @@ class MoeFFN:
         executor: _core.MoeExecutor,
         selection_bias: torch.Tensor | None = None,
         shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        expert_scale: torch.Tensor | None = None,
     ) -> None:
         self.layer = layer
         self.router = router
         self.routing = routing
         self.selection_bias = selection_bias
         self.shared = shared
+        #: Per expert, a factor on its output (``runtime.scales.expert_scales``), carried by
+        #: the routing weights.
+        self.expert_scale = expert_scale
         self.backend: ExpertBackend = CpuExperts(executor)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         ids, weights = self.backend.route(self.router(x), self.routing, self.selection_bias)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[ids.long()]
         out = self.backend.run(self.layer, x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
