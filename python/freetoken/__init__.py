@@ -8,9 +8,10 @@ from freetoken import errors, quant
 from freetoken._core import __version__
 
 if TYPE_CHECKING:
+    from freetoken.engine.spec_options import SpecOptions
     from freetoken.llm import LLM
 
-__all__ = ["LLM", "__version__", "errors", "quant"]
+__all__ = ["LLM", "SpecOptions", "__version__", "errors", "quant"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from freetoken.llm import LLM
 
         return LLM
+    if name == "SpecOptions":
+        from freetoken.engine.spec_options import SpecOptions
+
+        return SpecOptions
     raise AttributeError(f"module 'freetoken' has no attribute {name!r}")

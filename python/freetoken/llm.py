@@ -8,8 +8,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Any
 
@@ -18,15 +18,27 @@ import torch
 from freetoken import _core
 from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
+from freetoken.engine import spec_options
 from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.options import EngineOptions
+from freetoken.engine.spec_options import SpecOptions
+from freetoken.engine.speculative import (
+    Drafter,
+    SynthAcceptance,
+    check_draft_vocab,
+    cut_cache,
+    drafter_factory,
+    verify_tokens,
+)
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models import load_model
+from freetoken.models.transformer import Transformer
 from freetoken.progress import ProgressBar
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.moe import default_threads
 from freetoken.runtime.sampler import Sampler, SamplingParams
+from freetoken.runtime.speculative import SpecCounters
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.textstream import StopFilter
 
@@ -53,6 +65,8 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
+    #: Speculative decoding: tokens drafted and accepted, verify steps by length.
+    spec: SpecCounters | None = None
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -77,7 +91,8 @@ class LLM:
     and, with ``n_threads`` or ``engine.poll``, sizes FreeToken's own CPU pool.
     :meth:`close` (or leaving a ``with LLM(...)`` block) puts torch's thread count back.
     Placement, pools and per-step figures are logged on the ``freetoken`` logger (INFO and
-    DEBUG); nothing is printed.
+    DEBUG); nothing is printed. ``spec`` turns on speculative decoding
+    (engine/speculative.py).
     """
 
     def __init__(
@@ -88,6 +103,7 @@ class LLM:
         n_threads: int | None = None,
         progress: bool = False,
         engine: EngineOptions | None = None,
+        spec: SpecOptions | None = None,
     ) -> None:
         path = default_model_path() if model is None else model
         engine = engine or EngineOptions()
@@ -121,6 +137,20 @@ class LLM:
             if engine.moe_cache_audit
             else None
         )
+        self.spec = spec or SpecOptions()
+        #: draft-simple's model.
+        self.draft: Transformer | None = None
+        if self.spec.draft_model is not None:
+            draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
+            check_draft_vocab(self.gguf, draft_gguf)
+            self.draft = load_model(draft_gguf, None, moe_threads)
+        #: Makes a sequence's drafter (None: no speculative decoding).
+        self.drafters: Callable[[], Drafter] | None = None
+        if self.spec.enabled:
+            self.drafters = drafter_factory(
+                self.spec, self.model, self.gguf, self.n_ctx, self.draft
+            )
+        self._drafter: Drafter | None = None
         # Allocated on first use: the server brings its own caches.
         self._cache: KVCache | None = None
         self._tokens: list[int] = []
@@ -132,6 +162,7 @@ class LLM:
         cache. The model stays usable (at torch's thread count)."""
         torch.set_num_threads(self._torch_threads)
         self._cache = None
+        self._drafter = None
         self._tokens = []
 
     def __enter__(self) -> LLM:
@@ -181,15 +212,32 @@ class LLM:
         common = min(common, len(tokens) - 1)  # the last token must run to give logits
         if self._cache is None:
             self._cache = self.model.new_cache(self.n_ctx, max_step=PROMPT_CHUNK)
+            if self.drafters is not None:
+                self._drafter = self.drafters()
         common = self._cache.truncate(common)
+        if self._drafter is not None:
+            self._drafter.rewind(common)
         self._tokens = tokens[:common]
         logits = torch.empty(0)
         for i in range(common, len(tokens), PROMPT_CHUNK):
             chunk = tokens[i : i + PROMPT_CHUNK]
             t0 = time.perf_counter()
-            logits = self.model.forward(chunk, self._cache)
+            logits = self._run(chunk, all_logits=False)
             _log_step("prompt", len(chunk), t0)
-            self._tokens += chunk
+        return logits
+
+    def _run(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
+        """One forward step of ``tokens`` after the cache's, shown to the drafter."""
+        cache, drafter = self._cache, self._drafter
+        assert cache is not None
+        start = cache.length
+        hidden: list[torch.Tensor] | None = (
+            [] if drafter is not None and drafter.needs_hidden else None
+        )
+        logits = self.model.forward_batch([(tokens, cache)], all_logits, hidden)[0]
+        if drafter is not None:
+            drafter.observe(tokens, start, hidden[0] if hidden is not None else None)
+        self._tokens += tokens
         return logits
 
     def stream_tokens(
@@ -209,6 +257,10 @@ class LLM:
             sampler = Sampler(params, self.vocab_size)
             history = list(prompt_tokens)
             t1 = time.perf_counter()
+            if self._drafter is not None:
+                stats.spec = SpecCounters()
+                yield from self._speculate(logits, sampler, history, max_tokens, stats)
+                max_tokens = 0
             for n in range(max_tokens):
                 tok = sampler.sample(logits, history)
                 if tok in self.tokenizer.eog_ids:
@@ -218,17 +270,69 @@ class LLM:
                 if n + 1 == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
                     break
                 t2 = time.perf_counter()
-                logits = self.model.forward([tok], cache)
+                logits = self._run([tok], all_logits=False)
                 _log_step("decode", 1, t2)
-                self._tokens.append(tok)
                 stats.generated_tokens = n + 1
                 stats.generation_seconds = time.perf_counter() - t1
             stats.generated_tokens = len(history) - len(prompt_tokens)
             stats.generation_seconds = time.perf_counter() - t1
             if self.audit is not None:
+                spec = {}
+                if stats.spec is not None:
+                    spec = {"drafted": stats.spec.drafted, "accepted": stats.spec.accepted}
                 self.audit.record(
-                    prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens
+                    prompt_tokens=stats.prompt_tokens,
+                    generated_tokens=stats.generated_tokens,
+                    **spec,
                 )
+
+    def _speculate(
+        self,
+        logits: torch.Tensor,
+        sampler: Sampler,
+        history: list[int],
+        max_tokens: int,
+        stats: GenerationStats,
+    ) -> Iterator[int]:
+        """:meth:`stream_tokens`' generation with speculative decoding: each step verifies
+        the sampled token and a draft after it in one forward step."""
+        cache, drafter, counters = self._cache, self._drafter, stats.spec
+        assert cache is not None and drafter is not None and counters is not None
+        eog = self.tokenizer.eog_ids
+        probs = self.spec.synth_probs
+        synth = SynthAcceptance(probs, sampler.seed) if probs else None
+        pending = [sampler.sample(logits, history)] if max_tokens else []
+        n = 0
+        t1 = time.perf_counter()
+        while pending:
+            for tok in pending:
+                if tok in eog:
+                    return
+                history.append(tok)
+                yield tok
+                n += 1
+                stats.generated_tokens = n
+                stats.generation_seconds = time.perf_counter() - t1
+                if n == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
+                    return
+            tok = pending[-1]
+            # Drafts past the last token asked for, or the context, are not worth a row.
+            room = min(self.spec.n_max, max_tokens - n - 1, self.n_ctx - len(self._tokens) - 2)
+            limits = replace(self.spec.limits, n_max=room)
+            draft = drafter.draft(history, limits) if room > 0 else []
+            t2 = time.perf_counter()
+            cache.keep_steps = bool(draft)
+            try:
+                rows = self._run([tok, *draft], all_logits=True)
+            finally:
+                cache.keep_steps = False
+            _log_step("verify", len(draft) + 1, t2)
+            pending = verify_tokens(sampler, rows, history, draft, eog, synth)
+            kept = len(pending) - 1
+            counters.add(len(draft), kept)
+            length = len(self._tokens) - len(draft) + kept
+            cut_cache(cache, drafter, length)
+            del self._tokens[length:]
 
     def _stream_text(
         self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]
@@ -283,12 +387,15 @@ class LLM:
 
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
-    """The model of the common flags (``-m``, ``-c``, ``-t`` and the engine flags), loaded
-    with a progress bar; ``overrides`` replace LLM arguments (``n_ctx``, ``progress``...)."""
+    """The model of the common flags (``-m``, ``-c``, ``-t``, the engine flags and, where the
+    command has them, the speculative decoding flags), loaded with a progress bar;
+    ``overrides`` replace LLM arguments (``n_ctx``, ``progress``...)."""
     kwargs: dict[str, Any] = dict(
         n_ctx=args.ctx_size,
         n_threads=args.threads,
         progress=True,
         engine=engine_options.from_args(args),
     )
+    if hasattr(args, "spec_type"):
+        kwargs["spec"] = spec_options.from_args(args)
     return LLM(args.model, **(kwargs | overrides))

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
 import statistics
 import sys
 import time
+from typing import Any
 
 from freetoken.cli.args import add_model_arguments
+from freetoken.engine import spec_options
 from freetoken.errors import InvalidInputError
+from freetoken.runtime.sampler import SamplingParams
+from freetoken.runtime.speculative import SpecCounters
 
 __all__ = ["add_arguments", "run"]
 
@@ -31,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
+    spec_options.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,11 +47,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("-r must be at least 1 and -p, -n non-negative")
     from freetoken.llm import load_llm
 
-    llm = load_llm(
-        args, n_ctx=max(args.n_prompt + args.n_gen + 1, 16), progress=args.output == "md"
-    )
+    spec = spec_options.from_args(args)
+    # Speculation drafts past the last token: room for one more verify step.
+    n_ctx = max(args.n_prompt + args.n_gen + 1, 16) + (spec.n_max + 1 if spec.enabled else 0)
+    llm = load_llm(args, n_ctx=n_ctx, progress=args.output == "md")
     rng = random.Random(1234)
     vocab = llm.vocab_size
+    greedy = SamplingParams(temperature=0.0)
     # One cache per test, reused across repetitions (as llama-bench reuses its context), and
     # one warm-up pass first: it captures the GPU's decode graphs outside the timing.
     pp_cache = llm.model.new_cache(max(args.n_prompt, 1))
@@ -62,7 +70,27 @@ def run(args: argparse.Namespace) -> int:
     decode_steps = 0
     decode_seconds = 0.0
 
+    spec_counts = SpecCounters()
+
+    def spec_pass(n: int) -> float:
+        # Greedy generation from one random token with the drafter; the counters add up.
+        nonlocal decode_steps, decode_seconds
+        t0 = time.perf_counter()
+        produced = sum(1 for _ in llm.stream_tokens([rng.randrange(vocab)], n, greedy))
+        dt = time.perf_counter() - t0 - llm.last_stats.prompt_seconds
+        stats = llm.last_stats.spec
+        assert stats is not None
+        spec_counts.drafted += stats.drafted
+        spec_counts.accepted += stats.accepted
+        for k, c in stats.steps.items():
+            spec_counts.steps[k] = spec_counts.steps.get(k, 0) + c
+        decode_steps += produced
+        decode_seconds += dt
+        return produced / dt
+
     def decode_pass(n: int) -> float:
+        if spec.enabled:
+            return spec_pass(n)
         nonlocal decode_steps, decode_seconds
         tg_cache.truncate(0)
         tok = rng.randrange(vocab)
@@ -79,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n_gen:
         decode_pass(args.n_gen)
     decode_steps, decode_seconds = 0, 0.0
+    spec_counts = SpecCounters()
     placement = llm.placement
     stats_fn = getattr(placement.experts, "stats", None) if placement is not None else None
     warm = stats_fn() if callable(stats_fn) else None
@@ -97,6 +126,16 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mib": round(_peak_rss_mib(), 1),
         "placement": llm.placement.describe() if llm.placement is not None else "cpu",
     }
+    if spec.enabled:
+        result["spec"] = {
+            "type": spec.spec_type,
+            "n_max": spec.n_max,
+            "drafted": spec_counts.drafted,
+            "accepted": spec_counts.accepted,
+            "acceptance": spec_counts.acceptance,
+            "verify_steps": dict(sorted(spec_counts.steps.items())),
+            "step_ms": _step_costs(llm.model, spec.n_max + 1, vocab, rng, args.repetitions),
+        }
     if placement is not None:
         result["dense_bytes"] = placement.dense_bytes
         result["expert_bytes"] = placement.expert_bytes
@@ -132,4 +171,37 @@ def run(args: argparse.Namespace) -> int:
                 f"| {result['model']} | {result['threads']} | {name}{n} | "
                 f"{mean:.2f} ± {sd:.2f} | {result['peak_rss_mib']} |"
             )
+    if spec.enabled:
+        sp = result["spec"]
+        print(
+            f"\n{sp['type']}: {sp['drafted']} drafted, {sp['accepted']} accepted "
+            f"({100 * sp['acceptance']:.1f}%)"
+        )
+        print("| step tokens | ms | vs as many one-token steps |")
+        print("| ---: | ---: | ---: |")
+        one = sp["step_ms"][1]
+        for k, ms in sp["step_ms"].items():
+            print(f"| {k} | {ms:.2f} | {ms / (k * one):.2f} |")
     return 0
+
+
+def _step_costs(
+    model: Any, n_max: int, vocab: int, rng: random.Random, reps: int
+) -> dict[int, float]:
+    """Milliseconds of one forward step of 1..``n_max`` tokens (a verify step's lengths) after
+    64 positions, cut back after each (the best of ``reps`` x 4 runs)."""
+    cache = model.new_cache(64 + n_max + 1)
+    model.forward([rng.randrange(vocab) for _ in range(64)], cache)
+    out = {}
+    for k in range(1, n_max + 1):
+        best = math.inf
+        for _ in range(4 * reps):
+            tokens = [rng.randrange(vocab) for _ in range(k)]
+            cache.keep_steps = True
+            t0 = time.perf_counter()
+            model.forward(tokens, cache, all_logits=True)
+            best = min(best, time.perf_counter() - t0)
+            cache.keep_steps = False
+            cache.rewind(64)
+        out[k] = best * 1e3
+    return out

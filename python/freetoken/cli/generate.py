@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from freetoken.cli.args import add_model_arguments
+from freetoken.engine import spec_options
 
 if TYPE_CHECKING:
     from freetoken.llm import LLM
@@ -18,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``generate`` flags: the model's, sampling, prompt and length."""
     add_model_arguments(p)
     _add_sampling_arguments(p)
+    spec_options.add_arguments(p)
     p.add_argument("-p", "--prompt", help="prompt (with -cnv: the system prompt)")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
     p.add_argument(
@@ -58,6 +60,12 @@ def _print_stats(llm: LLM) -> None:
         f"generation: {s.generated_tokens} tokens, {s.generation_tokens_per_s:.1f} t/s",
         file=sys.stderr,
     )
+    if s.spec is not None:
+        print(
+            f"speculative: {s.spec.drafted} drafted, {s.spec.accepted} accepted "
+            f"({100 * s.spec.acceptance:.1f}%), {sum(s.spec.steps.values())} verify steps",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -115,14 +115,17 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, all_states: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The depthwise causal conv of ``x [T, C]`` after ``state [K-1, C]`` (the previous
     inputs) with ``weight [C, K]`` (tap ``K-1`` on the current token); returns the output
-    ``[T, C]`` and the new state (the last ``K-1`` inputs)."""
+    ``[T, C]`` and the new state (the last ``K-1`` inputs; with ``all_states`` the state
+    after each token, ``[T, K-1, C]``)."""
     k = weight.shape[1]
     xs = torch.cat([state, x])
     windows = xs.unfold(0, k, 1)  # [T, C, K]
+    if all_states:
+        return (windows * weight).sum(-1), windows[:, :, 1:].transpose(1, 2)
     return (windows * weight).sum(-1), xs[xs.shape[0] - (k - 1) :]
 
 
@@ -133,19 +136,22 @@ def delta_rule_step(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    all_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token: ``q, k, v [H, T, d]`` (q already scaled), ``g, beta
-    [H, T]``, ``state [H, d_k, d_v]``; returns the outputs ``[H, T, d_v]`` and the state.
-    Decode runs it with ``T = 1``."""
+    [H, T]``, ``state [H, d_k, d_v]``; returns the outputs ``[H, T, d_v]`` and the state
+    (with ``all_states`` the state after each token, ``[T, H, d_k, d_v]``: the recurrence
+    makes each anyway). Decode runs it with ``T = 1``."""
     s = state
-    outs = []
+    outs, states = [], []
     for t in range(q.shape[1]):
         s = s * g[:, t].exp()[:, None, None]
         kt = k[:, t]
         delta = (v[:, t] - torch.einsum("hkv,hk->hv", s, kt)) * beta[:, t, None]
         s = s + kt[:, :, None] * delta[:, None, :]
         outs.append(torch.einsum("hkv,hk->hv", s, q[:, t]))
-    return torch.stack(outs, 1), s
+        states.append(s)
+    return torch.stack(outs, 1), torch.stack(states) if all_states else s
 
 
 def delta_rule_chunked(
@@ -246,10 +252,13 @@ class DeltaNetLayer:
         x: torch.Tensor,
         spans: list[tuple[int, torch.Tensor, torch.Tensor]],
         eps: float,
+        keep_steps: list[bool] | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The layer's output ``[T, hidden]`` for the rows of ``x [T, hidden]``, cut into
         sequences ``spans`` of (rows, conv state, delta-rule state); returns it with each
-        sequence's new states."""
+        sequence's new states. A sequence with ``keep_steps`` runs token by token and gets
+        the states after each of its tokens (``[n, ...]`` stacks: a verify step's
+        checkpoints)."""
         s = self.shape
         d, r = s.head_dim, s.v_heads // s.k_heads
         mixed, z = linear_group((self.qkv, self.gate), x)
@@ -257,9 +266,10 @@ class DeltaNetLayer:
         beta = torch.sigmoid(b)
         g = F.softplus(a + self.dt) * self.a
         outs, states, row = [], [], 0
-        for n, conv_state, ssm_state in spans:
+        for j, (n, conv_state, ssm_state) in enumerate(spans):
+            keep = bool(keep_steps and keep_steps[j])
             rows = slice(row, row + n)
-            y, conv_state = causal_conv(mixed[rows], conv_state, self.conv)
+            y, conv_state = causal_conv(mixed[rows], conv_state, self.conv, keep)
             y = F.silu(y)
             q, k, v = y.split([s.k_heads * d, s.k_heads * d, s.value_dim], -1)
             q = l2_norm(q.view(n, s.k_heads, d), eps) / math.sqrt(d)
@@ -276,7 +286,10 @@ class DeltaNetLayer:
                 beta[rows].T,
                 ssm_state,
             )
-            o, ssm_state = delta_rule_step(*args) if n == 1 else delta_rule_chunked(*args)
+            if n == 1 or keep:
+                o, ssm_state = delta_rule_step(*args, all_states=keep)
+            else:
+                o, ssm_state = delta_rule_chunked(*args)
             outs.append(o.transpose(0, 1))
             states.append((conv_state, ssm_state))
             row += n

@@ -38,7 +38,14 @@ from freetoken.models.layers import (
     load_vector,
     rms_norm,
 )
-from freetoken.models.transformer import Block, Features, FFNFactory, Transformer, dense_ffn
+from freetoken.models.transformer import (
+    Block,
+    Features,
+    FFNFactory,
+    Transformer,
+    dense_ffn,
+    past_trunk,
+)
 from freetoken.runtime.recurrent_cache import HybridCache
 from freetoken.runtime.step import Step
 
@@ -154,6 +161,7 @@ class HybridTransformer(Transformer):
             raise GGUFError(f"metadata `{arch}.nextn_predict_layers` is {nextn!r}")
         n_all = cfg.n_layers
         cfg = replace(cfg, n_layers=n_all - nextn, swa_layers=cfg.swa_layers[: n_all - nextn])
+        self.n_nextn = nextn
         self.cfg = cfg
         self.feat = feat
         self.moe = None
@@ -171,6 +179,7 @@ class HybridTransformer(Transformer):
         self.recurrent = recurrent_layers(meta, arch, cfg.n_layers)
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
         make_ffn = make_ffn or dense_ffn(feat)
+        self.make_ffn = make_ffn
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.blocks = []
         n_rec = n_attn = 0
@@ -196,6 +205,17 @@ class HybridTransformer(Transformer):
             for name in gguf.tensors
             if name.startswith("blk.") and int(name.split(".")[1]) >= cfg.n_layers
         ]
+
+    def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
+        """Layer ``i`` past the trunk (a multi-token-prediction layer): a gated
+        full-attention block with the family's feed-forward, its keys and values in layer 0
+        of its own cache."""
+        return HybridBlock(gguf, past_trunk(self.cfg, i), i, self.make_ffn, None, False, 0)
+
+    def mtp_kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) per position of a multi-token-prediction layer's
+        cache: a full-attention layer's."""
+        return self._kv_shape()
 
     def _kv_shape(self) -> tuple[int, int, int]:
         c = self.cfg
@@ -242,12 +262,13 @@ class HybridTransformer(Transformer):
         eps = self.cfg.norm_eps
         h = rms_norm(x, blk.attn_norm, eps)
         if blk.delta is not None:
-            spans = []
+            spans, keep = [], []
             for sp in step.spans:
                 cache = sp.cache
                 assert isinstance(cache, HybridCache)
                 spans.append((sp.n, cache.conv[blk.index], cache.ssm[blk.index]))
-            a, states = blk.delta(h, spans, eps)
+                keep.append(cache.keep_steps)
+            a, states = blk.delta(h, spans, eps, keep)
             for sp, (conv, ssm) in zip(step.spans, states, strict=True):
                 assert isinstance(sp.cache, HybridCache)
                 sp.cache.set_state(blk.index, conv, ssm)

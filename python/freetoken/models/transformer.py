@@ -5,7 +5,7 @@ sliding window, attention sinks, multi-head latent attention) and this module ru
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -281,6 +281,13 @@ class Block:
         self.rope_scale = 1.0
 
 
+def past_trunk(cfg: ModelConfig, i: int) -> ModelConfig:
+    """``cfg`` extended to layer ``i`` past the trunk (a multi-token-prediction layer): a
+    full-attention layer with its own keys and values."""
+    swa = (*cfg.swa_layers, *[False] * (i + 1 - len(cfg.swa_layers)))
+    return replace(cfg, n_layers=i + 1, swa_layers=swa[: i + 1])
+
+
 class Transformer:
     """A decoder-only model over a mapped GGUF file (dense, or MoE through ``make_ffn``)."""
 
@@ -296,7 +303,9 @@ class Transformer:
         meta = gguf.metadata
         # Trailing multi-token-prediction blocks (GLM-4.5, DeepSeek-3) are not decoder layers.
         nextn = _meta_int(meta, f"{cfg.arch}.nextn_predict_layers", 0)
-        if 0 < nextn < cfg.n_layers:
+        #: The multi-token-prediction layers after the trunk (``models/mtp.py`` runs them).
+        self.n_nextn = nextn if 0 < nextn < cfg.n_layers else 0
+        if self.n_nextn:
             n = cfg.n_layers - nextn
             cfg = replace(cfg, n_layers=n, swa_layers=cfg.swa_layers[:n])
         self.cfg = cfg
@@ -314,6 +323,7 @@ class Transformer:
             mscale *= 1.0 + 0.1 * self.rope.yarn_log_mul * math.log(1.0 / self.rope.freq_scale)
             self.attn_scale = mscale * mscale / math.sqrt(self.mla.nope + self.mla.rope)
         make_ffn = make_ffn or dense_ffn(feat)
+        self.make_ffn = make_ffn
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.rope_factors = (
             load_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
@@ -350,6 +360,20 @@ class Transformer:
     #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
     #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
     step_hook: StepHook | None = None
+
+    def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
+        """Layer ``i`` past the trunk (a multi-token-prediction layer) as a full-attention
+        block of this family with its feed-forward, run as layer 0 of its own cache
+        (``models/mtp.py``)."""
+        blk = Block(gguf, past_trunk(self.cfg, i), self.feat, i, self.make_ffn, self.mla)
+        blk.rope_scale = self.rope.freq_scale
+        blk.kv_source = 0  # layer 0 of the head's own cache
+        return blk
+
+    def mtp_kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) per position of a multi-token-prediction layer's
+        cache: a full-attention layer's."""
+        return self._kv_shapes()[0]
 
     def _kv_shapes(self) -> list[tuple[int, int, int]]:
         """Per layer, per position: (heads, key dims, value dims) of the cache; 0 heads for
@@ -396,11 +420,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_batch(
-        self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
+        self,
+        seqs: list[tuple[list[int], KVCache]],
+        all_logits: bool | Sequence[bool] = False,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Runs several sequences in one pass (continuous batching): the weight products see
         all their rows together, attention runs per sequence on its own cache. Returns each
-        sequence's logits as :meth:`forward` does."""
+        sequence's logits as :meth:`forward` does (``all_logits`` may be given per
+        sequence: a verify step beside prompt chunks); a ``hidden`` list gets each sequence's
+        final hidden states ``[n, hidden]`` (after the output norm, on the model's device)."""
         spans = []
         for tokens, cache in seqs:
             if not tokens:
@@ -411,7 +440,7 @@ class Transformer:
         hook = self.step_hook
         capturable = hook.begin(len(flat)) if hook is not None else True
         try:
-            return self._logits(ids, flat, spans, all_logits, capturable)
+            return self._logits(ids, flat, spans, all_logits, capturable, hidden)
         finally:
             if hook is not None:
                 hook.end()
@@ -421,13 +450,16 @@ class Transformer:
         ids: torch.Tensor,
         flat: list[int],
         spans: list[Span],
-        all_logits: bool,
+        all_logits: bool | Sequence[bool],
         capturable: bool,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
+        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
         caches = [sp.cache for sp in spans]
         if (
             capturable
+            and hidden is None
             and self.graphs is not None
             and len(flat) == len(spans) <= MAX_BATCH
             and len({id(c) for c in caches}) == len(caches)
@@ -435,18 +467,26 @@ class Transformer:
             # One token per sequence: a captured decode step, unless the set is new.
             logits = self.graphs.step(flat, caches)
             if logits is not None:
-                return list(logits.cpu().unbind(0))
+                rows = logits.cpu().unbind(0)
+                return [r[None] if e else r for r, e in zip(rows, every, strict=True)]
         dev = self.device
         pos = torch.cat([torch.arange(int(sp.start), int(sp.start) + sp.n) for sp in spans]).to(dev)
-        ends = None
-        if not all_logits:
-            ends = (torch.tensor([0] + [sp.n for sp in spans]).cumsum(0)[1:] - 1).to(dev)
-        logits = self.run(ids, Step(pos, spans), ends).cpu()
+        picked = None
+        if not all(every):
+            at, parts = 0, []
+            for sp, e in zip(spans, every, strict=True):
+                parts.append(torch.arange(at, at + sp.n) if e else torch.tensor([at + sp.n - 1]))
+                at += sp.n
+            picked = torch.cat(parts).to(dev)
+        step = Step(pos, spans, keep_hidden=hidden is not None)
+        logits = self.run(ids, step, picked).cpu()
+        if hidden is not None:
+            assert step.hidden is not None
+            hidden.extend(step.hidden.split([sp.n for sp in spans]))
         for sp in spans:
             sp.cache.commit(sp.n)
-        if not all_logits:
-            return list(logits.unbind(0))
-        return list(logits.split([sp.n for sp in spans]))
+        split = logits.split([sp.n if e else 1 for sp, e in zip(spans, every, strict=True)])
+        return [r if e else r[0] for r, e in zip(split, every, strict=True)]
 
     def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
         """The forward pass on tensors: token ids ``[T]`` (on the model's device) at
@@ -458,14 +498,22 @@ class Transformer:
             x = x * math.sqrt(self.cfg.hidden)
         for i, blk in enumerate(self.blocks):
             x = self._layer(i, blk, x, step)
-        return self._head(x, rows)
+        return self._head(x, rows, step)
 
-    def _head(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The logits of the last layer's output ``x`` at ``rows`` (None: every row)."""
+    def _head(
+        self, x: torch.Tensor, rows: torch.Tensor | None, step: Step | None = None
+    ) -> torch.Tensor:
+        """The logits of the last layer's output ``x`` at ``rows`` (None: every row); a
+        ``step`` with ``keep_hidden`` gets every row's hidden state after the output norm."""
         cfg = self.cfg
-        if rows is not None:
+        keep = step is not None and step.keep_hidden
+        if rows is not None and not keep:
             x = x[rows]
-        logits = self.output(rms_norm(x, self.output_norm, cfg.norm_eps))
+        h = rms_norm(x, self.output_norm, cfg.norm_eps)
+        if step is not None and keep:
+            step.hidden = h
+            h = h if rows is None else h[rows]
+        logits = self.output(h)
         if cfg.final_logit_softcap:
             cap = cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

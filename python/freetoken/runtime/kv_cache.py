@@ -37,6 +37,10 @@ class KVCache:
     Rings are for caches on the CPU: the GPU's captured decode steps index positions
     directly."""
 
+    #: A verify step (speculative decoding) is running: caches with state that cannot be
+    #: cut back keep checkpoints for :meth:`rewind` (runtime/recurrent_cache.py).
+    keep_steps = False
+
     def __init__(
         self,
         n_layers: int,
@@ -157,3 +161,14 @@ class KVCache:
             self._high = 0
         self.length = length
         return length
+
+    def rewind(self, length: int) -> None:
+        """Cuts back to ``length`` positions after a step that wrote past it (the rejected
+        tokens of a verify step): InvalidInputError when the cache cannot hold ``length``
+        any more (a ring layer overwrote what it needs: the step was longer than
+        ``max_step``)."""
+        if self.truncate(length) != length:
+            raise InvalidInputError(
+                f"cannot cut the cache back to {length} positions: a step was longer than its "
+                f"sliding-window rings allow ({self.max_step})"
+            )

@@ -8,6 +8,11 @@ asked length: the positions after it run again (none saved: from the start). Dec
 (one token each) take no snapshot: the next turn of a chat continues from the current state,
 which is always valid at :attr:`length`.
 
+A verify step of speculative decoding sets :attr:`HybridCache.keep_steps`: its layers then
+hand over the states after each of the step's tokens (checkpoints, no extra compute: the
+token-by-token recurrence makes them anyway), and :meth:`HybridCache.rewind` restores the
+one at the last accepted token.
+
 The state tensors are updated in place, never replaced: a captured decode step (a CUDA graph)
 reads and writes them at the addresses it was captured on."""
 
@@ -55,9 +60,19 @@ class HybridCache(KVCache):
         self.max_snapshots = max_snapshots
         #: Length -> copies of (conv, ssm) at that length, oldest first.
         self._snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        #: Steps hand over per-token states (``[T, ...]`` stacks) for :meth:`rewind`.
+        self.keep_steps = False
+        #: Per recurrent layer, the last step's per-token (conv, ssm) states.
+        self._steps: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.conv)
+        self._step_from = 0
 
     def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Writes recurrent layer ``layer``'s new states (after a step ran it) in place."""
+        """Writes recurrent layer ``layer``'s new states (after a step ran it) in place; with
+        :attr:`keep_steps` they are the stacks of the states after each of the step's tokens,
+        kept for :meth:`rewind`, and the last one is written."""
+        if self.keep_steps:
+            self._steps[layer] = (conv, ssm)
+            conv, ssm = conv[-1], ssm[-1]
         self.conv[layer].copy_(conv)
         self.ssm[layer].copy_(ssm)
 
@@ -82,8 +97,13 @@ class HybridCache(KVCache):
         return lambda: self._load(conv, ssm)
 
     def commit(self, n_new: int) -> None:
-        """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states."""
+        """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states
+        (not a verify step's: :meth:`rewind` has its checkpoints)."""
+        self._step_from = self.length
         super().commit(n_new)
+        if self.keep_steps:
+            return
+        self._steps = [None] * len(self.conv)
         if n_new > 1 and self.max_snapshots > 0:
             self._snapshots.pop(self.length, None)
             self._snapshots[self.length] = (
@@ -105,3 +125,20 @@ class HybridCache(KVCache):
                 del self._snapshots[n]
             length = kept
         return super().truncate(length)
+
+    def rewind(self, length: int) -> None:
+        """As :meth:`KVCache.rewind`; inside the last step run with :attr:`keep_steps` the
+        recurrent states come from its checkpoint at ``length``."""
+        i = length - self._step_from - 1
+        steps = self._steps
+        if length < self.length and 0 <= i and all(st is not None for st in steps):
+            self._load(
+                [st[0][i] for st in steps if st is not None],
+                [st[1][i] for st in steps if st is not None],
+            )
+            for n in [n for n in self._snapshots if n > length]:
+                del self._snapshots[n]
+            self._steps = [None] * len(self.conv)
+            KVCache.truncate(self, length)
+            return
+        super().rewind(length)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.errors import InvalidInputError, ShapeError
+from freetoken.runtime.speculative import accept_draft
 
 __all__ = ["Sampler", "SamplingParams", "log_softmax"]
 
@@ -255,6 +256,29 @@ class Sampler:
         w, ids = w[kept], ids[kept]
         order = torch.argsort(w, descending=True)
         return ids[order], torch.log(w[order] / w.sum())
+
+    def probs(self, logits: torch.Tensor, history: Sequence[int] = ()) -> torch.Tensor:
+        """The final distribution :meth:`sample` draws from, dense: float64 ``[vocab]`` on
+        the CPU (greedy: one-hot at the argmax). Draws no random number."""
+        ids, logprobs = self.candidates(logits, history)
+        p = torch.zeros(self.vocab_size, dtype=torch.float64)
+        p[ids.cpu()] = logprobs.cpu().exp()
+        return p
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        history: Sequence[int],
+        draft: int,
+        draft_probs: torch.Tensor | None = None,
+    ) -> int:
+        """The token at a speculative draft position: ``draft`` when the standard rule keeps
+        it (runtime/speculative.py), else one from the residual distribution, so that the
+        result is distributed as :meth:`sample`'s. ``draft_probs``: the draft's distribution
+        (None: the draft was its argmax). Greedy: the argmax, as :meth:`sample`."""
+        if self.params.greedy:
+            return self.sample(logits, history)
+        return accept_draft(self.probs(logits, history), draft, draft_probs, self._gen)
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -42,10 +42,14 @@ class Step:
     """What the layers of one forward pass share: the rows' positions (on the model's
     device), the sequences, the RoPE tables and attention masks made so far, and the keys
     and values a layer read that later layers attend over too (``kv``, by span index and
-    layer: Gemma 4's shared-KV layers)."""
+    layer: Gemma 4's shared-KV layers). With ``keep_hidden`` the pass leaves every row's
+    final hidden state (after the output norm, what multi-token-prediction heads read) in
+    ``hidden``."""
 
     pos: torch.Tensor
     spans: list[Span]
     rope: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     masks: dict[tuple[Any, ...], torch.Tensor | None] = field(default_factory=dict)
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from freetoken.engine import options as engine_options
+from freetoken.engine import spec_options
 
 if TYPE_CHECKING:
     from freetoken.server.scheduler import SchedulerHooks
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     engine_options.add_arguments(p)
+    spec_options.add_arguments(p)
 
 
 def _model_names(path: str, alias: str) -> frozenset[str]:
@@ -170,6 +172,8 @@ class _Audited:
             prompt_tokens=job.prompt_tokens,
             cached_tokens=job.cached_tokens,
             generated_tokens=job.completion_tokens,
+            drafted=job.drafted,
+            accepted=job.accepted,
         )
 
 
@@ -196,6 +200,12 @@ def build_state(
     metrics = ServerMetrics(lambda: holder["state"].status())
     metrics.registry.add_source(_moe_counters(llm.model))
     metrics.registry.add_source(_expert_placement(llm))
+    if llm.drafters is not None and n_ctx != llm.n_ctx:
+        from freetoken.engine.speculative import drafter_factory
+
+        drafters = drafter_factory(llm.spec, llm.model, llm.gguf, n_ctx, llm.draft)
+    else:
+        drafters = llm.drafters
     scheduler = Scheduler(
         llm.model,
         llm.tokenizer,
@@ -207,6 +217,8 @@ def build_state(
         hooks=metrics
         if llm.audit is None
         else cast("SchedulerHooks", _Audited(metrics, llm.audit)),
+        spec=llm.spec,
+        drafter=drafters,
     )
     template = getattr(llm.tokenizer, "chat_template", None)
     cfg = ServerConfig(

@@ -309,7 +309,14 @@ async def start_chat_job(
     _check_fits(ids, st.cfg.n_ctx, "messages", s)
     job = st.scheduler.submit(
         GenerationRequest(
-            ids, s.max_tokens, s.params, s.stop, req.logprobs, s.ignore_eos, s.cache_prompt
+            ids,
+            s.max_tokens,
+            s.params,
+            s.stop,
+            req.logprobs,
+            s.ignore_eos,
+            s.cache_prompt,
+            s.draft,
         )
     )
     parser = OutputParser(
@@ -420,7 +427,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_fits(ids, st.cfg.n_ctx, "prompt", s)
     job = st.scheduler.submit(
         GenerationRequest(
-            ids, s.max_tokens, s.params, s.stop, req.logprobs, s.ignore_eos, s.cache_prompt
+            ids,
+            s.max_tokens,
+            s.params,
+            s.stop,
+            req.logprobs,
+            s.ignore_eos,
+            s.cache_prompt,
+            s.draft,
         )
     )
     echo = prompt_text if req.echo else ""

@@ -193,6 +193,14 @@ class ServerMetrics(SchedulerHooks):
             )
         )
         self.generated = r.add(Counter("freetoken_generation_tokens_total", "Tokens generated"))
+        self.drafted = r.add(
+            Counter("freetoken_spec_drafted_tokens_total", "Speculative draft tokens verified")
+        )
+        self.accepted = r.add(
+            Counter(
+                "freetoken_spec_accepted_tokens_total", "Speculative draft tokens kept by verify"
+            )
+        )
         self.started = r.add(
             Counter(
                 "freetoken_requests_started_total",
@@ -279,6 +287,10 @@ class ServerMetrics(SchedulerHooks):
 
     def on_generated(self, n: int) -> None:
         self.generated.inc(n)
+
+    def on_draft(self, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def on_finish(self, job: Job) -> None:
         self.finished.inc()

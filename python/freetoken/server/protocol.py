@@ -161,6 +161,9 @@ class SamplingFields:
     ignore_eos: bool
     cache_prompt: bool = True
     max_tokens_field: str | None = None
+    draft: dict[str, float] | None = None
+    """The request's ``speculative.n_max`` / ``n_min`` / ``p_min`` (llama.cpp's fields), as
+    given; the scheduler checks them against the server's settings."""
     """The request field that set ``max_tokens``; None when it is the endpoint's default."""
 
 
@@ -249,7 +252,20 @@ def _parse_sampling(body: dict[str, Any], n_ctx: int, default_max: int) -> Sampl
         include_usage=include_usage,
         ignore_eos=_bool(body, "ignore_eos"),
         cache_prompt=_bool(body, "cache_prompt", True),
+        draft=_draft_fields(body),
     )
+
+
+def _draft_fields(body: dict[str, Any]) -> dict[str, float] | None:
+    out: dict[str, float] = {}
+    for key in ("n_max", "n_min"):
+        v = _int(body, f"speculative.{key}")
+        if v is not None:
+            out[key] = v
+    p_min = _num(body, "speculative.p_min")
+    if p_min is not None:
+        out["p_min"] = p_min
+    return out or None
 
 
 def _check_response_format(body: dict[str, Any]) -> None:

@@ -10,6 +10,12 @@ never stalls the others for more than one chunk.
 Prefix cache: a slot keeps the tokens of its last request after it ends. A new request takes
 the free slot sharing the longest prefix with its prompt, truncates the cache there and only
 evaluates the rest.
+
+Speculative decoding (a server started with ``--spec-type``; a request may lower or turn off
+its draft with ``speculative.n_max`` and friends): each slot has a drafter, and a decoding
+job's row of the step is its sampled token and a draft after it, verified in the same
+forward pass as the others' tokens and prompt chunks; the slot's cache is then cut back to
+the tokens kept (engine/speculative.py).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from freetoken.engine.spec_options import MAX_DRAFT, DraftLimits, SpecOptions
+from freetoken.engine.speculative import Drafter, SynthAcceptance, cut_cache, verify_tokens
 from freetoken.errors import FreeTokenError, RequestError
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.sampler import Sampler, SamplingParams
@@ -54,7 +62,10 @@ class EngineModel(Protocol):
     def new_cache(self, n_ctx: int, max_step: int = 0) -> KVCache: ...
 
     def forward_batch(
-        self, seqs: list[tuple[list[int], KVCache]], all_logits: bool = False
+        self,
+        seqs: list[tuple[list[int], KVCache]],
+        all_logits: bool | Sequence[bool] = False,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -72,7 +83,9 @@ class GenerationRequest:
 
     ``logprobs`` is None for no log-probabilities, else how many alternatives to report per
     token (0: only the chosen token's). ``cache_prompt=False`` evaluates the whole prompt
-    even when a slot holds a prefix of it (llama.cpp's option of that name).
+    even when a slot holds a prefix of it (llama.cpp's option of that name). ``draft``
+    overrides the server's speculative draft limits (``n_max``, ``n_min``, ``p_min``;
+    ``n_max`` 0: no drafts).
     """
 
     prompt: list[int]
@@ -82,6 +95,7 @@ class GenerationRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
+    draft: dict[str, float] | None = None
 
 
 @dataclass
@@ -137,6 +151,11 @@ class Job:
         self._history: list[int] = []
         self._text: TextStream | None = None
         self._t_last = 0.0
+        self._limits: DraftLimits | None = None  # None: no speculative decoding
+        self._synth: SynthAcceptance | None = None
+        #: Speculative decoding: tokens drafted and accepted.
+        self.drafted = 0
+        self.accepted = 0
 
     async def events(self) -> AsyncIterator[Event]:
         """Yields the job's events until the final one (finish reason or error)."""
@@ -148,11 +167,13 @@ class Job:
 
 
 class Slot:
-    """A KV cache and the tokens it holds (kept after a job for prefix reuse)."""
+    """A KV cache and the tokens it holds (kept after a job for prefix reuse), and with
+    speculative decoding its drafter."""
 
-    def __init__(self, index: int, cache: KVCache) -> None:
+    def __init__(self, index: int, cache: KVCache, drafter: Drafter | None = None) -> None:
         self.index = index
         self.cache = cache
+        self.drafter = drafter
         self.tokens: list[int] = []
         self.job: Job | None = None
         self.last_used = 0.0
@@ -186,6 +207,9 @@ class SchedulerHooks:
     def on_generated(self, n: int) -> None:
         """``n`` tokens were generated."""
 
+    def on_draft(self, drafted: int, accepted: int) -> None:
+        """A verify step checked ``drafted`` draft tokens and kept ``accepted``."""
+
     def on_finish(self, job: Job) -> None:
         """A job ended normally."""
 
@@ -204,7 +228,8 @@ class Scheduler:
     ``n_slots`` KV caches of ``n_ctx`` tokens each are made up front, so memory is bounded;
     at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting``; beyond,
     submit answers 429).
-    ``hooks`` receive the events the metrics count.
+    ``hooks`` receive the events the metrics count. ``spec`` and ``drafter`` (a factory of
+    one slot's drafter) turn on speculative decoding.
     """
 
     def __init__(
@@ -218,6 +243,8 @@ class Scheduler:
         batch_tokens: int = 256,
         max_waiting: int = 1024,
         hooks: SchedulerHooks | None = None,
+        spec: SpecOptions | None = None,
+        drafter: Callable[[], Drafter] | None = None,
     ) -> None:
         if n_slots < 1 or n_ctx < 2 or batch_tokens < 1:
             raise FreeTokenError("need at least one slot, a context of 2 and a batch of 1")
@@ -229,8 +256,16 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.hooks = hooks or SchedulerHooks()
         self.eog = frozenset(int(t) for t in tokenizer.eog_ids)
+        self.spec = spec if spec is not None and spec.enabled and drafter is not None else None
+        # A verify step is 1 + n_max tokens: the sliding-window rings must hold that.
+        step = max(batch_tokens, self.spec.n_max + 1 if self.spec else 0)
         self.slots = [
-            Slot(i, model.new_cache(n_ctx, max_step=batch_tokens)) for i in range(n_slots)
+            Slot(
+                i,
+                model.new_cache(n_ctx, max_step=step),
+                drafter() if self.spec and drafter else None,
+            )
+            for i in range(n_slots)
         ]
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
@@ -269,6 +304,7 @@ class Scheduler:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside [0, {self.vocab_size})", param="prompt")
         job = Job(req, asyncio.get_running_loop())
+        job._limits = self._draft_limits(req.draft)
         with self._cond:
             if self._stopping:
                 raise RequestError(
@@ -286,6 +322,30 @@ class Scheduler:
             self._cond.notify_all()
         self.hooks.on_submit()
         return job
+
+    def _draft_limits(self, fields: dict[str, float] | None) -> DraftLimits | None:
+        """A request's draft limits: the server's with the request's fields; RequestError
+        for a value out of range (None: no drafts)."""
+        if self.spec is None:
+            if fields and fields.get("n_max", 1) > 0:
+                raise RequestError(
+                    "this server runs without speculative decoding (start it with --spec-type)",
+                    param="speculative.n_max",
+                )
+            return None
+        limits = replace(self.spec.limits, **fields) if fields else self.spec.limits  # type: ignore[arg-type]
+        for name, value, lo, hi in (
+            # Synthetic acceptance has a rate per position of the server's drafts only.
+            ("n_max", limits.n_max, 0, self.spec.n_max if self.spec.synth_probs else MAX_DRAFT),
+            ("n_min", limits.n_min, 0, limits.n_max),
+            ("p_min", limits.p_min, 0.0, 1.0),
+        ):
+            if not lo <= value <= hi:
+                raise RequestError(
+                    f"'speculative.{name}' must be in [{lo:g}, {hi:g}], got {value:g}",
+                    param=f"speculative.{name}",
+                )
+        return limits if limits.n_max > 0 else None
 
     def cancel(self, job: Job) -> None:
         """Cancels ``job`` (a client went away); its slot is freed before the next step."""
@@ -401,6 +461,8 @@ class Scheduler:
                 common = min(common, len(prompt) - 1)
                 slot.prompt_logits, slot.prompt_len = None, 0
             kept = slot.cache.truncate(common)
+            if slot.drafter is not None:
+                slot.drafter.rewind(kept)
             if kept < common:
                 # A sliding-window ring no longer holds the keys this prefix needs.
                 common, job._ready = kept, None
@@ -417,6 +479,9 @@ class Scheduler:
                 self._release(job)
                 continue
             job.seed = job._sampler.seed
+            if self.spec is not None:
+                probs = self.spec.synth_probs
+                job._synth = SynthAcceptance(probs, job.seed) if probs else None
             job._history = list(prompt)
             job._text = TextStream(job.req.stop)
             self._active.append(job)
@@ -429,9 +494,13 @@ class Scheduler:
             if row is not None:
                 self._sample_or_fail(job, row)
         batch: list[tuple[Job, list[int], bool]] = []
+        drafts: dict[int, list[int]] = {}
         for job in self._active:
             if job._next is not None:
-                batch.append((job, [job._next], True))
+                draft = self._draft(job)
+                if draft:
+                    drafts[job.id] = draft
+                batch.append((job, [job._next, *draft], True))
         budget = self.batch_tokens
         for job in self._active:
             if job._next is not None or budget <= 0:
@@ -451,8 +520,20 @@ class Scheduler:
         for job, toks, _ in batch:
             assert job._slot is not None
             seqs.append((toks, job._slot.cache))
+            job._slot.cache.keep_steps = job.id in drafts
+        drafters = [job._slot.drafter if job._slot else None for job, _, _ in batch]
+        hidden: list[torch.Tensor] | None = (
+            [] if any(d is not None and d.needs_hidden for d in drafters) else None
+        )
+        starts = [c.length for _, c in seqs]
         try:
-            logits = self.model.forward_batch(seqs)
+            logits = self.model.forward_batch(
+                seqs, [job.id in drafts for job, _, _ in batch], hidden
+            )
+            for i, drafter in enumerate(drafters):
+                if drafter is not None:  # every step the slot's cache runs, prompts too
+                    rows = hidden[i] if hidden is not None else None
+                    drafter.observe(seqs[i][0], starts[i], rows)
         except Exception as e:  # a failed step fails its jobs, not the server
             log.exception("engine step failed")
             err = (
@@ -464,11 +545,17 @@ class Scheduler:
                 self._post(job, Event(error=err))
                 self._release(job)
             return
+        finally:
+            for _, cache in seqs:
+                cache.keep_steps = False
         self.hooks.on_step(len(batch), sum(len(t) for _, t, _ in batch))
         for (job, toks, ready), row in zip(batch, logits, strict=True):
             slot = job._slot
             assert slot is not None
             slot.tokens += toks
+            if job.id in drafts:
+                self._verify_or_fail(job, row, drafts[job.id])
+                continue
             if job._next is None:
                 job._n_past += len(toks)
                 if ready:  # the prompt is in: keep its logits for an identical one
@@ -476,18 +563,58 @@ class Scheduler:
             if ready:
                 self._sample_or_fail(job, row)
 
+    def _draft(self, job: Job) -> list[int]:
+        """The draft after a decoding job's sampled token (none without speculation)."""
+        slot, limits = job._slot, job._limits
+        if slot is None or slot.drafter is None or limits is None:
+            return []
+        room = min(
+            limits.n_max,
+            job.req.max_tokens - job.completion_tokens - 1,
+            self.n_ctx - slot.cache.length - 2,
+        )
+        if room <= 0:
+            return []
+        return slot.drafter.draft(job._history, replace(limits, n_max=room))
+
+    def _verify_or_fail(self, job: Job, rows: torch.Tensor, draft: list[int]) -> None:
+        """Keeps the drafts the rule accepts, emits them and the target's token after them,
+        and cuts the slot back to the tokens kept."""
+        slot, sampler = job._slot, job._sampler
+        assert slot is not None and sampler is not None and slot.drafter is not None
+        try:
+            eog = () if job.req.ignore_eos else self.eog
+            out = verify_tokens(sampler, rows, job._history, draft, eog, job._synth)
+            kept = len(out) - 1
+            length = slot.cache.length - len(draft) + kept
+            cut_cache(slot.cache, slot.drafter, length)
+            del slot.tokens[length:]
+        except Exception as e:
+            self._fail(job, e, "verify")
+            return
+        job.drafted += len(draft)
+        job.accepted += kept
+        self.hooks.on_draft(len(draft), kept)
+        for i, tok in enumerate(out):
+            self._emit(job, tok, rows[i])
+            if job._slot is None:  # finished
+                return
+
+    def _fail(self, job: Job, e: Exception, what: str) -> None:
+        log.exception("%s failed", what)
+        err = (
+            e
+            if isinstance(e, FreeTokenError)
+            else RequestError(f"{what} error: {e}", status=500, err_type="server_error")
+        )
+        self._post(job, Event(error=err))
+        self._release(job)
+
     def _sample_or_fail(self, job: Job, row: torch.Tensor) -> None:
         try:
             self._sample(job, row)
         except Exception as e:
-            log.exception("sampling failed")
-            err = (
-                e
-                if isinstance(e, FreeTokenError)
-                else RequestError(f"sampling error: {e}", status=500, err_type="server_error")
-            )
-            self._post(job, Event(error=err))
-            self._release(job)
+            self._fail(job, e, "sampling")
 
     def _piece(self, tok: int) -> bytes:
         piece = self._piece_cache.get(tok)
@@ -506,8 +633,13 @@ class Scheduler:
         return TokenLogprob(tok, self._piece(tok), float(lp[tok]), top)
 
     def _sample(self, job: Job, row: torch.Tensor) -> None:
-        assert job._sampler is not None and job._text is not None and job._slot is not None
-        tok = job._sampler.sample(row, job._history)
+        assert job._sampler is not None
+        self._emit(job, job._sampler.sample(row, job._history), row)
+
+    def _emit(self, job: Job, tok: int, row: torch.Tensor) -> None:
+        """Hands ``tok`` (chosen from ``row``) to the job: its text, the end of generation,
+        or the token to feed next."""
+        assert job._text is not None and job._slot is not None
         now = time.perf_counter()
         if job.t_first is None:
             job.t_first = now

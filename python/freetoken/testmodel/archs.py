@@ -114,6 +114,10 @@ class ModelConfig:
     """The E-series' per-layer input width (0: none)."""
     shared_kv_layers: int = 0
     """Trailing layers that reuse an earlier layer's keys and values (the E-series)."""
+    # ---- multi-token prediction (qwen35, qwen35moe, qwen3next, glm4moe) ------------------
+    nextn_layers: int = 0
+    """``nextn`` (MTP) layers after the ``layers`` of the trunk: a full-attention layer with
+    the family's FFN plus ``nextn.eh_proj``, ``enorm``, ``hnorm`` and ``shared_head_norm``."""
 
 
 #: ModelConfig fields only some architectures accept (``ArchSpec.options``), with the value
@@ -148,6 +152,7 @@ OPTIONAL_FIELDS: dict[str, Any] = {
         "kv_heads_full",
         "per_layer_width",
         "shared_kv_layers",
+        "nextn_layers",
     )
 }
 
@@ -310,10 +315,29 @@ class ArchSpec:
         for i in range(cfg.layers):
             out += self.attn_tensors(cfg, i)
             out += self.ffn_tensors(cfg, i)
+        for i in range(cfg.layers, cfg.layers + cfg.nextn_layers):
+            out += self.nextn_tensors(cfg, i)
         out.append(TensorDef("output_norm.weight", "output_norm", None, (h,), "norm", False))
         if not cfg.tied:
             out.append(TensorDef("output.weight", "output", None, (v, h), "output", True))
         return out
+
+    def nextn_tensors(self, cfg: ModelConfig, i: int) -> list[TensorDef]:
+        """Multi-token-prediction layer ``i`` (past the trunk, as llama.cpp's loaders read
+        it): a full-attention decoder layer and the ``nextn.*`` projection and norms."""
+        h = cfg.hidden
+
+        def nextn(short: str, shape: tuple[int, ...], role: str, quant: bool) -> TensorDef:
+            return TensorDef(_blk(i, f"nextn.{short}"), f"nextn.{short}", i, shape, role, quant)
+
+        return [
+            *self.attn_tensors(cfg, i),
+            *self.ffn_tensors(cfg, i),
+            nextn("eh_proj", (h, 2 * h), "proj_in", True),
+            nextn("enorm", (h,), "norm", False),
+            nextn("hnorm", (h,), "norm", False),
+            nextn("shared_head_norm", (h,), "norm", False),
+        ]
 
     def attn_tensors(self, cfg: ModelConfig, i: int) -> list[TensorDef]:
         """Layer ``i``'s attention tensors (with its input norm and, if any, post norm)."""
@@ -371,7 +395,7 @@ class ArchSpec:
         m = [
             MetaItem(f"{a}.context_length", cfg.ctx, u32),
             MetaItem(f"{a}.embedding_length", cfg.hidden, u32),
-            MetaItem(f"{a}.block_count", cfg.layers, u32),
+            MetaItem(f"{a}.block_count", cfg.layers + cfg.nextn_layers, u32),
             MetaItem(f"{a}.feed_forward_length", cfg.ffn, u32),
             MetaItem(f"{a}.attention.head_count", cfg.heads, u32),
             MetaItem(f"{a}.attention.head_count_kv", cfg.kv_heads, u32),
@@ -384,6 +408,8 @@ class ArchSpec:
                 MetaItem(f"{a}.attention.key_length", cfg.head_dim, u32),
                 MetaItem(f"{a}.attention.value_length", cfg.head_dim, u32),
             ]
+        if cfg.nextn_layers:
+            m.append(MetaItem(f"{a}.nextn_predict_layers", cfg.nextn_layers, u32))
         if self.write_rope_dims:
             m.append(MetaItem(f"{a}.rope.dimension_count", cfg.head_dim, u32))
         if self.write_vocab_size:

@@ -41,7 +41,7 @@ _U32, _I32 = GGUFValueType.UINT32, GGUFValueType.INT32
 
 _LINEAR_OPTIONS = frozenset(
     {"rope_dim", "linear_k_heads", "linear_v_heads", "linear_head_dim", "conv_kernel",
-     "full_attention_interval"}
+     "full_attention_interval", "nextn_layers"}
 )  # fmt: skip
 #: The converter's default ``rope.dimension_sections`` of Qwen3.5.
 ROPE_SECTIONS = (11, 11, 10, 0)
@@ -126,8 +126,9 @@ class _GatedDeltaNet(ArchSpec):
             )
 
     def is_recurrent(self, cfg: ModelConfig, i: int) -> bool:
-        """Whether layer ``i`` is linear attention (llama.cpp's ``is_recr``)."""
-        return (i + 1) % int(cfg.full_attention_interval or 4) != 0
+        """Whether layer ``i`` is linear attention (llama.cpp's ``is_recr``: never the
+        multi-token-prediction layers after the trunk)."""
+        return i < cfg.layers and (i + 1) % int(cfg.full_attention_interval or 4) != 0
 
     def uses_qk_norm(self, cfg: ModelConfig) -> bool:
         """The full-attention layers norm q and k per head."""

@@ -459,6 +459,7 @@ class Glm4Moe(MoeArch):
         "expert_groups_used",
         "rope_dim",
         "qk_norm",
+        "nextn_layers",
     }
     gating = "sigmoid"
     default_shared = 1

@@ -279,6 +279,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="E-series: trailing layers reading earlier layers' caches (default 0)",
     )
+    parser.add_argument(
+        "--nextn-layers",
+        type=int,
+        metavar="N",
+        help="multi-token-prediction (nextn) layers after the trunk (qwen35, qwen35moe, "
+        "qwen3next, glm4moe; default 0)",
+    )
     big = parser.add_argument_group("big and skewed MoE models (see below)")
     big.add_argument(
         "--routing",

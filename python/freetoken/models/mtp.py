@@ -1,0 +1,79 @@
+"""Multi-token prediction (``nextn``) heads: the layers some GGUFs carry after the trunk
+(qwen35, qwen35moe, qwen3next, glm4moe), run as a draft model for speculative decoding.
+
+As llama.cpp's ``graph_mtp`` (``src/models/qwen35moe.cpp``, ``glm4-moe.cpp``): for the token
+``x_p`` at position ``p`` and the trunk's final hidden state ``h_{p-1}`` (after the output
+norm) of the position before, ``eh_proj`` maps ``[enorm(embed(x_p)), hnorm(h_{p-1})]`` to the
+hidden size, one decoder layer of the family runs on it (full attention over its own cache of
+such pairs, then the family's feed-forward, MoE included), and ``shared_head_norm`` (else the
+output norm) and ``shared_head_head`` (else the output projection) give the logits of the
+token at ``p + 1`` and the hidden state a following draft step pairs with its token.
+``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head runs on
+the CPU (its layer's experts through the CPU executor), wherever the trunk runs."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.errors import InvalidInputError
+from freetoken.gguf import GGUFFile
+from freetoken.models.layers import Embedding, Linear, load_vector, rms_norm
+from freetoken.models.transformer import Transformer
+from freetoken.runtime.kv_cache import KVCache
+from freetoken.runtime.step import Span, Step
+
+__all__ = ["MtpHead"]
+
+
+class MtpHead:
+    """The first ``nextn`` layer of ``model`` (llama.cpp runs one, as here).
+    InvalidInputError when the file has none."""
+
+    def __init__(self, model: Transformer, gguf: GGUFFile) -> None:
+        cfg = model.cfg
+        i = cfg.n_layers
+        p = f"blk.{i}.nextn."
+        if model.n_nextn < 1 or p + "eh_proj.weight" not in gguf:
+            raise InvalidInputError(
+                f"--spec-type draft-mtp: {gguf.path} has no multi-token-prediction layer "
+                f"(`{cfg.arch}.nextn_predict_layers` and tensor `{p}eh_proj.weight`)"
+            )
+        h, v = cfg.hidden, cfg.vocab_size
+        self.model = model
+        self.eh_proj = Linear(gguf, p + "eh_proj", (h, 2 * h))
+        self.enorm = load_vector(gguf, p + "enorm.weight", h)
+        self.hnorm = load_vector(gguf, p + "hnorm.weight", h)
+        # The head's own copies (on the CPU, where the head runs): the trunk's may be on a GPU.
+        name = p + "shared_head_norm.weight"
+        self.head_norm = load_vector(gguf, name if name in gguf else "output_norm.weight", h)
+        name = p + "shared_head_head"
+        if name + ".weight" not in gguf:
+            name = "output" if "output.weight" in gguf else "token_embd"
+        self.head = Linear(gguf, name, (v, h))
+        name = p + "embed_tokens.weight"
+        self.embed = Embedding(gguf, name if name in gguf else "token_embd.weight", v, h)
+        self.block = model.mtp_block(gguf, i)
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        """An empty cache of the head's attention for one sequence (on the CPU)."""
+        return KVCache(1, n_ctx, *self.model.mtp_kv_shape())
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: list[int], hidden: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs ``tokens`` (at the cache's next positions) paired with the trunk's hidden
+        states of the positions before them ``hidden [T, hidden]``; returns the float32
+        logits ``[T, vocab]`` (host) and the head's hidden states ``[T, hidden]``."""
+        m, eps = self.model, self.model.cfg.norm_eps
+        n = len(tokens)
+        start = cache.reserve(n)
+        e = self.embed(self.embed.lookup(tokens))
+        h = rms_norm(hidden.cpu(), self.hnorm, eps)
+        x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
+        step = Step(torch.arange(start, start + n), [Span(start, n, cache)])
+        x = m._layer(0, self.block, x, step)
+        out = rms_norm(x, self.head_norm, eps)
+        logits = self.head(out)
+        cache.commit(n)
+        return logits.float(), out

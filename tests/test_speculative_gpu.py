@@ -1,0 +1,94 @@
+"""Speculative decoding on the GPU strategies (``gpu``, ``offload``, ``hybrid`` and ``cpu``
+experts): greedy tokens with speculation equal those without on the same strategy, 128 tokens
+after prompts of two lengths, for the model's own MTP head (glm4moe, and the Gated DeltaNet
+hybrids where a GPU placement takes them), a draft-model pair (the target's weights at a
+coarser quantization) and n-gram drafts. The verify step is one forward step of N + 1 tokens
+through the strategy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.engine.spec_options import SpecOptions  # noqa: E402
+from freetoken.errors import FileAccessError, UnsupportedError  # noqa: E402
+from freetoken.llm import LLM  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
+from freetoken.runtime.sampler import SamplingParams  # noqa: E402
+from freetoken.testmodel import make_test_model  # noqa: E402
+from freetoken.testmodel.vocab import llama_tree  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
+    ),
+]
+
+STRATEGIES = ["gpu", "offload", "hybrid", "cpu"]
+_SHAPE: dict[str, Any] = dict(
+    layers=4, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2,
+    expert_ffn=128,
+)  # fmt: skip
+PROMPTS = [[1, 450, 4996], [1] + [(37 * i) % 3000 + 100 for i in range(150)]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("spec-gpu")
+    try:
+        vocab = llama_tree() / "models" / "ggml-vocab-llama-spm.gguf"
+    except FileAccessError as e:
+        pytest.skip(str(e))
+
+    def make(name: str, arch: str, **kw: Any) -> Path:
+        return make_test_model(
+            arch, vocab=vocab, out=out / f"{name}.gguf", log=lambda _: None, **_SHAPE, **kw
+        )
+
+    return {
+        "glm4moe-mtp": make("glm4moe-mtp", "glm4moe", leading_dense=1, nextn_layers=1, seed=4),
+        "qwen35moe-mtp": make("qwen35moe-mtp", "qwen35moe", nextn_layers=1, seed=4),
+        "target": make("target", "qwen3moe", seed=3, quant="q8_0"),
+        "draft": make("draft", "qwen3moe", seed=3, quant="q4_0"),
+    }
+
+
+def _llm(path: Path, strategy: str, spec: SpecOptions | None = None) -> LLM:
+    mib = 1 if strategy in ("offload", "hybrid") else None
+    opts = EngineOptions(device="cuda", moe_strategy=strategy, moe_cache_mib=mib)
+    try:
+        return LLM(path, n_ctx=512, engine=opts, spec=spec)
+    except UnsupportedError as e:  # a family no GPU placement takes yet
+        pytest.skip(str(e))
+
+
+def _greedy(llm: LLM, prompt: list[int]) -> list[int]:
+    return list(llm.stream_tokens(prompt, 128, SamplingParams(temperature=0.0)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [
+        ("glm4moe-mtp", dict(spec_type="draft-mtp")),
+        ("qwen35moe-mtp", dict(spec_type="draft-mtp")),
+        ("target", dict(spec_type="draft-simple", n_max=4)),
+        ("target", dict(spec_type="ngram-simple", ngram_size_n=1, ngram_size_m=4, n_max=4)),
+    ],
+)
+def test_gpu_greedy_with_speculation_equals_plain(
+    strategy: str, model: str, spec: dict[str, Any], files: dict[str, Path]
+) -> None:
+    if spec["spec_type"] == "draft-simple":
+        spec = {**spec, "draft_model": str(files["draft"])}
+    plain = _llm(files[model], strategy)
+    fast = _llm(files[model], strategy, SpecOptions(**spec))
+    for prompt in PROMPTS:
+        assert _greedy(fast, prompt) == _greedy(plain, prompt)
+        assert fast.last_stats.spec is not None
