@@ -3,6 +3,7 @@
 #
 #   bash scripts/device.sh prepare        here, on a dev machine: fills .ft-device/ (ignored)
 #   bash scripts/device.sh build test     on the GPU machine, with .ft-device carried
+#                                         (FT_TOOLS=0: no llama.cpp tools, the library only)
 #   bash scripts/device.sh bench          on the GPU machine, after build (same /tmp)
 #   bash scripts/device.sh bench-e2e      on the GPU machine: the 48-layer model (written by
 #                                         bench-model if missing) against llama-bench
@@ -139,7 +140,10 @@ build() {
         tail -40 "$OUT/configure.log"
         exit 1
     }
-    cmake --build "$FT_BUILD" --target freetoken_cuda llama-bench -j "$(nproc)" \
+    # FT_TOOLS=0: the library alone (a call that only runs the GPU tests).
+    local targets=(freetoken_cuda)
+    [ "${FT_TOOLS:-1}" = 0 ] || targets+=(llama-bench)
+    cmake --build "$FT_BUILD" --target "${targets[@]}" -j "$(nproc)" \
         >"$OUT/build.log" 2>&1 || {
         grep -B2 -A12 -m5 "error" "$OUT/build.log" | head -80
         tail -20 "$OUT/build.log"
@@ -147,8 +151,10 @@ build() {
     }
     # The server reference for the concurrent-stream comparison; its failure does not stop
     # the rest.
-    cmake --build "$FT_BUILD" --target llama-server -j "$(nproc)" >"$OUT/build-server.log" 2>&1 ||
-        log "llama-server did not build (see build-server.log)"
+    if [ "${FT_TOOLS:-1}" != 0 ]; then
+        cmake --build "$FT_BUILD" --target llama-server -j "$(nproc)" >"$OUT/build-server.log" 2>&1 ||
+            log "llama-server did not build (see build-server.log)"
+    fi
     log "built in $((SECONDS - t0)) s: $(du -h "$FT_BUILD/libfreetoken_cuda.so" | cut -f1) library"
     nm -D --defined-only "$FT_BUILD/libfreetoken_cuda.so" | awk '{print $3}' | sort >"$OUT/exports.txt"
     log "exported symbols: $(tr '\n' ' ' <"$OUT/exports.txt")"
