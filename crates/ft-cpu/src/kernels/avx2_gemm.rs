@@ -1,15 +1,17 @@
-//! Q4_0 and Q5_0 rows against many Q8_0 activation rows with AVX2, FMA and F16C: a prompt
-//! chunk's product, or an expert's routes, as tiles of eight rows by four tokens over rows
-//! repacked into an interleaved layout.
+//! Q4_0, Q5_0 and Q8_0 rows against many Q8_0 activation rows with AVX2, FMA and F16C: a
+//! prompt chunk's product, or an expert's routes, as tiles of eight rows by four tokens over
+//! rows repacked into an interleaved layout.
 //!
 //! The rows a call gets (a pass of the callers', which stays in the L1 cache) are repacked
 //! once for all its tokens: per 32-value block and group of eight rows, eight registers, the
-//! j-th holding values 4j..4j+4 of each row, unpacked to bytes (the offset of 8 or 16
-//! included), and the eight rows' scales as f32. A token's block then costs one broadcast and
-//! one `maddubs` per register; the 16-bit sums of up to eight (Q4_0) or four (Q5_0) registers
-//! cannot overflow (|v| <= 15 or 31, |a| <= 128: 8 x 2 x 15 x 128 and 4 x 2 x 31 x 128 are
-//! below 2^15), a `madd` gives each row's exact block sum in its own 32-bit lane, the
-//! activation's block sum times the offset comes off, and one fused multiply-add per block
+//! j-th holding values 4j..4j+4 of each row, unpacked to unsigned bytes (the offset of 8 or 16
+//! included; Q8_0's values plus 128 as two planes of nibbles, the high one worth 16), and the
+//! eight rows' scales as f32. A token's block then costs one broadcast and one `maddubs` per
+//! register; the 16-bit sums of four registers (Q5_0, values up to 31) or eight (Q8_0's
+//! planes, up to 15) cannot overflow (|a| <= 128: 4 x 2 x 31 x 128 and 8 x 2 x 15 x 128 are
+//! below 2^15), a `madd` gives each row's exact block sum in its own 32-bit
+//! lane, the activation's block sum times the offset comes off, and one fused multiply-add per
+//! block
 //! adds d_w * d_a (ggml's f32 product) times it to the row's lane. Nothing is read from the
 //! memory-mapped weights but the rows themselves, so peak memory does not grow.
 //!
@@ -32,28 +34,41 @@ use std::cell::RefCell;
 const TILE_TOKENS: usize = 4;
 /// Bytes of a Q8_0 activation block: fp16 scale, 32 signed values.
 const Q8_0_BLOCK: usize = 34;
-/// Bytes of a packed block of eight rows: eight registers of values, eight f32 scales.
-const PACKED_BLOCK: usize = 8 * 32 + 4 * ROWS;
 
 /// The weight types (const generic parameters).
 pub(super) const Q4: u8 = 0;
 pub(super) const Q5: u8 = 1;
+pub(super) const Q8: u8 = 2;
 
 /// A type's block bytes and value offset.
 const fn layout(kind: u8) -> (usize, i32) {
-    if kind == Q5 {
-        (22, 16)
-    } else {
-        (18, 8)
+    match kind {
+        Q5 => (22, 16),
+        Q8 => (Q8_0_BLOCK, 128),
+        _ => (18, 8),
     }
+}
+
+/// Registers of values per packed block: one per word of a row (Q8_0: of each plane).
+const fn registers(kind: u8) -> usize {
+    if kind == Q8 {
+        16
+    } else {
+        8
+    }
+}
+
+/// 32-byte units of a packed block of eight rows: the registers, then eight f32 scales.
+const fn packed_block(kind: u8) -> usize {
+    registers(kind) + 1
 }
 
 /// The kernel for `KIND`.
 pub(super) fn gemm_fn(kind: u8) -> GemmFn {
-    if kind == Q5 {
-        gemm::<Q5>
-    } else {
-        gemm::<Q4>
+    match kind {
+        Q5 => gemm::<Q5>,
+        Q8 => gemm::<Q8>,
+        _ => gemm::<Q4>,
     }
 }
 
@@ -79,7 +94,7 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
         out.len()
     );
     SCRATCH.with_borrow_mut(|(packed, sums)| {
-        let per_group = blocks * PACKED_BLOCK / 32;
+        let per_group = blocks * packed_block(KIND);
         // SAFETY: zero bits are a valid vector.
         packed.resize(n / ROWS * per_group, unsafe { std::mem::zeroed() });
         sums.resize(acts.len() * blocks, 0);
@@ -103,10 +118,10 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
                         std::array::from_fn(|t| sums[(t0 + t.min(tile - 1)) * blocks..].as_ptr());
                     let mut o = [[0f32; ROWS]; TILE_TOKENS];
                     match tile {
-                        4 => tile_fn::<4>(group.as_ptr(), blocks, a, s, &mut o),
-                        3 => tile_fn::<3>(group.as_ptr(), blocks, a, s, &mut o),
-                        2 => tile_fn::<2>(group.as_ptr(), blocks, a, s, &mut o),
-                        _ => tile_fn::<1>(group.as_ptr(), blocks, a, s, &mut o),
+                        4 => tile_fn::<KIND, 4>(group.as_ptr(), blocks, a, s, &mut o),
+                        3 => tile_fn::<KIND, 3>(group.as_ptr(), blocks, a, s, &mut o),
+                        2 => tile_fn::<KIND, 2>(group.as_ptr(), blocks, a, s, &mut o),
+                        _ => tile_fn::<KIND, 1>(group.as_ptr(), blocks, a, s, &mut o),
                     }
                     for (t, o) in o[..tile].iter().enumerate() {
                         let at = (t0 + t) * n + g * ROWS;
@@ -131,40 +146,62 @@ unsafe fn pack<const KIND: u8>(w: *const u8, rb: usize, blocks: usize, dst: *mut
         // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
         unsafe {
             let x: [*const u8; ROWS] = std::array::from_fn(|r| w.add(r * rb + b * block));
+            let out = dst.add(b * packed_block(KIND));
             let v = x.map(|x| values::<KIND>(x));
-            // An 8 x 8 transpose of 32-bit words: register j gets word j of each row.
-            let t: [__m256i; 8] = std::array::from_fn(|i| {
-                let (a, c) = (v[i & !1], v[i | 1]);
-                if i & 1 == 0 {
-                    _mm256_unpacklo_epi32(a, c)
-                } else {
-                    _mm256_unpackhi_epi32(a, c)
-                }
-            });
-            // u[i]: rows 4(i / 4)..+4, words i % 4 (low lanes) and i % 4 + 4 (high lanes).
-            let u: [__m256i; 8] = std::array::from_fn(|i| {
-                let (h, q) = (i / 4 * 4, i % 4);
-                let (a, c) = (t[h + q / 2], t[h + 2 + q / 2]);
-                if q % 2 == 0 {
-                    _mm256_unpacklo_epi64(a, c)
-                } else {
-                    _mm256_unpackhi_epi64(a, c)
-                }
-            });
-            let out = dst.add(b * PACKED_BLOCK / 32);
-            for j in 0..4 {
-                out.add(j)
-                    .write(_mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]));
-                out.add(4 + j)
-                    .write(_mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]));
+            if KIND == Q8 {
+                let m4 = _mm256_set1_epi8(0x0f);
+                let u = v.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)));
+                transpose(u.map(|u| _mm256_and_si256(u, m4)), out);
+                let high = u.map(|u| _mm256_and_si256(_mm256_srli_epi16::<4>(u), m4));
+                transpose(high, out.add(8));
+            } else {
+                transpose(v, out);
             }
             let scales: [f32; ROWS] = x.map(|x| fp16_at(x));
-            out.add(8).cast::<[f32; ROWS]>().write_unaligned(scales);
+            let at = out.add(registers(KIND));
+            at.cast::<[f32; ROWS]>().write_unaligned(scales);
         }
     }
 }
 
-/// A block's 32 values as unsigned bytes in element order (offset included).
+/// Writes the 8 x 8 transpose of `v`'s 32-bit words to `out`: register j gets word j of each
+/// row.
+///
+/// # Safety
+/// Room for eight registers at `out`; the CPU has AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose(v: [__m256i; ROWS], out: *mut __m256i) {
+    let t: [__m256i; 8] = std::array::from_fn(|i| {
+        let (a, c) = (v[i & !1], v[i | 1]);
+        if i & 1 == 0 {
+            _mm256_unpacklo_epi32(a, c)
+        } else {
+            _mm256_unpackhi_epi32(a, c)
+        }
+    });
+    // u[i]: rows 4(i / 4)..+4, words i % 4 (low lanes) and i % 4 + 4 (high lanes).
+    let u: [__m256i; 8] = std::array::from_fn(|i| {
+        let (h, q) = (i / 4 * 4, i % 4);
+        let (a, c) = (t[h + q / 2], t[h + 2 + q / 2]);
+        if q % 2 == 0 {
+            _mm256_unpacklo_epi64(a, c)
+        } else {
+            _mm256_unpackhi_epi64(a, c)
+        }
+    });
+    for j in 0..4 {
+        // SAFETY: within the eight registers, per the contract.
+        unsafe {
+            out.add(j)
+                .write(_mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]));
+            out.add(4 + j)
+                .write(_mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]));
+        }
+    }
+}
+
+/// A block's 32 values in element order: unsigned bytes, offset included (Q8_0: signed).
 ///
 /// # Safety
 /// `x` points at a block of the type; the CPU has AVX2.
@@ -173,10 +210,10 @@ unsafe fn pack<const KIND: u8>(w: *const u8, rb: usize, blocks: usize, dst: *mut
 unsafe fn values<const KIND: u8>(x: *const u8) -> __m256i {
     // SAFETY: per the contract.
     unsafe {
-        if KIND == Q5 {
-            super::avx2::legacy_values::<{ super::avx2::Q5 }>(x)
-        } else {
-            super::avx2::legacy_values::<{ super::avx2::Q4 }>(x)
+        match KIND {
+            Q5 => super::avx2::legacy_values::<{ super::avx2::Q5 }>(x),
+            Q8 => _mm256_loadu_si256(x.add(2).cast()),
+            _ => super::avx2::legacy_values::<{ super::avx2::Q4 }>(x),
         }
     }
 }
@@ -206,7 +243,7 @@ unsafe fn block_sums<const KIND: u8>(a: *const u8, sums: &mut [i32]) {
 /// `p` points at `blocks` packed blocks, each of `a` at `blocks` Q8_0 blocks and each of `s`
 /// at `blocks` sums; the CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_fn<const T: usize>(
+unsafe fn tile_fn<const KIND: u8, const T: usize>(
     p: *const __m256i,
     blocks: usize,
     a: [*const u8; TILE_TOKENS],
@@ -218,27 +255,32 @@ unsafe fn tile_fn<const T: usize>(
     for b in 0..blocks {
         // SAFETY: packed block b and block b of each token, per the contract.
         unsafe {
-            let p = p.add(b * PACKED_BLOCK / 32);
+            let p = p.add(b * packed_block(KIND));
             let y: [*const u8; T] = std::array::from_fn(|t| a[t].add(b * Q8_0_BLOCK));
-            // Two halves of four registers, whose 16-bit sums stay in range for both types.
+            // Two sums of registers whose 16-bit sums stay in range: Q8_0's planes, the other
+            // types' halves.
             let mut lo = [_mm256_setzero_si256(); T];
             let mut hi = [_mm256_setzero_si256(); T];
-            for j in 0..8 {
+            for j in 0..registers(KIND) {
                 let wj = p.add(j).read();
+                let word = 2 + 4 * (j % 8);
                 for t in 0..T {
-                    let aj = _mm256_set1_epi32(y[t].add(2 + 4 * j).cast::<i32>().read_unaligned());
+                    let aj = _mm256_set1_epi32(y[t].add(word).cast::<i32>().read_unaligned());
                     let prod = _mm256_maddubs_epi16(wj, aj);
-                    if j >= 4 {
+                    if (KIND == Q8 && j >= 8) || (KIND != Q8 && j >= 4) {
                         hi[t] = _mm256_add_epi16(hi[t], prod);
                     } else {
                         lo[t] = _mm256_add_epi16(lo[t], prod);
                     }
                 }
             }
-            let dw = _mm256_loadu_ps(p.add(8).cast());
+            let dw = _mm256_loadu_ps(p.add(registers(KIND)).cast());
             for t in 0..T {
-                let mut sum = _mm256_madd_epi16(lo[t], ones);
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi[t], ones));
+                let mut high = _mm256_madd_epi16(hi[t], ones);
+                if KIND == Q8 {
+                    high = _mm256_slli_epi32::<4>(high);
+                }
+                let sum = _mm256_add_epi32(_mm256_madd_epi16(lo[t], ones), high);
                 let sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(s[t].add(b).read()));
                 let dd = _mm256_mul_ps(dw, _mm256_set1_ps(fp16_at(y[t])));
                 acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sum), acc[t]);
