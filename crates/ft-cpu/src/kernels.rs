@@ -137,10 +137,11 @@ impl RowDots {
         // against 47 and 133 against 45; Q8_0 54 against 55 at 4, 64 against 55 at 8.
         let gemm = match level {
             #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2 if kernel.act_type() == GgmlType::Q8_0 => match kernel.weight_type() {
-                GgmlType::Q4_0 => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4), 4)),
-                GgmlType::Q5_0 => Some((avx2_gemm::gemm_fn(avx2_gemm::Q5), 4)),
-                GgmlType::Q8_0 => Some((avx2_gemm::gemm_fn(avx2_gemm::Q8), 8)),
+            CpuIsa::Avx2 => match (kernel.weight_type(), kernel.act_type()) {
+                (GgmlType::Q4_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4), 4)),
+                (GgmlType::Q5_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q5), 4)),
+                (GgmlType::Q8_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q8), 8)),
+                (GgmlType::Q4_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4K), 8)),
                 _ => None,
             },
             _ => None,
@@ -464,13 +465,47 @@ mod tile_tests {
 
     /// The bound `avx2_gemm` derives on its distance from ggml's row kernel, for a Q4_0, Q5_0
     /// or Q8_0 row against a Q8_0 activation row: 2 gamma_(blocks + 3) x the sum over blocks of
-    /// |fl(d_w d_a)| x sum_i |w_i a_i|, the values decoded here from the formats.
+    /// |fl(d_w d_a)| x sum_i |w_i a_i|; for a Q4_K row against a Q8_K one, 2 gamma_(2 blocks +
+    /// 4) x the sum over blocks of |fl(d_w d_a)| x sum_i |scale_i w_i a_i| + |fl(dmin_w d_a)| x
+    /// sum_s min_s |sum_(i in s) a_i|; the values decoded here from the formats.
     fn gemm_bound(t: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+        let scale = |p: &[u8]| fp16(u16::from_le_bytes([p[0], p[1]]));
+        let gamma = |n: usize| {
+            let nu = n as f64 * 2f64.powi(-24);
+            nu / (1.0 - nu)
+        };
+        if t == GgmlType::Q4_K {
+            let mut total = 0f64;
+            for (x, y) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+                let yd = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                let dd = (scale(x) as f32 * yd).abs() as f64;
+                let dm = (scale(&x[2..]) as f32 * yd).abs() as f64;
+                let q = &x[4..16];
+                for sb in 0..8 {
+                    let (sc, m) = if sb < 4 {
+                        (q[sb] & 63, q[sb + 4] & 63)
+                    } else {
+                        let sc = (q[sb + 4] & 0xf) | (q[sb - 4] >> 6) << 4;
+                        (sc, (q[sb + 4] >> 4) | (q[sb] >> 6) << 4)
+                    };
+                    let (mut prod, mut sum) = (0i32, 0i32);
+                    for e in 0..32 {
+                        let byte = x[16 + 32 * (sb / 2) + e];
+                        let v = if sb % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                        let ya = i32::from(y[4 + 32 * sb + e] as i8);
+                        prod += (i32::from(v) * ya).abs();
+                        sum += ya;
+                    }
+                    total += dd * f64::from(sc) * f64::from(prod);
+                    total += dm * f64::from(m) * f64::from(sum.abs());
+                }
+            }
+            return (2.0 * gamma(2 * a.len() / 292 + 4) * total) as f32;
+        }
         let wb = t.type_size();
         let blocks = a.len() / 34;
         let mut total = 0f64;
         for (x, y) in w.chunks_exact(wb).zip(a.chunks_exact(34)) {
-            let scale = |p: &[u8]| fp16(u16::from_le_bytes([p[0], p[1]]));
             let dd = (scale(x) as f32 * scale(y) as f32).abs() as f64;
             let (qs, fifth, offset) = match t {
                 GgmlType::Q5_0 => (&x[6..22], u32::from_le_bytes([x[2], x[3], x[4], x[5]]), 16),
@@ -490,8 +525,7 @@ mod tile_tests {
                 .sum();
             total += dd * sum;
         }
-        let nu = (blocks + 3) as f64 * 2f64.powi(-24);
-        (2.0 * nu / (1.0 - nu) * total) as f32
+        (2.0 * gamma(blocks + 3) * total) as f32
     }
 
     /// Tokens per call: one, the tiles and their neighbours, tiles with every tail, 64.

@@ -1,6 +1,6 @@
-//! Q4_0, Q5_0 and Q8_0 rows against many Q8_0 activation rows with AVX2, FMA and F16C: a
-//! prompt chunk's product, or an expert's routes, as tiles of eight rows by four tokens over
-//! rows repacked into an interleaved layout.
+//! Q4_0, Q5_0 and Q8_0 rows against many Q8_0 activation rows, and Q4_K rows against Q8_K
+//! ones, with AVX2, FMA and F16C: a prompt chunk's product, or an expert's routes, as tiles of
+//! eight rows by four tokens over rows repacked into an interleaved layout.
 //!
 //! The rows a call gets (a pass of the callers', which stays in the L1 cache) are repacked
 //! once for all its tokens: per 32-value block and group of eight rows, eight registers, the
@@ -23,7 +23,14 @@
 //! |ggml - exact| <= gamma_(blocks + 3) x sum_b sum_lanes |lane terms| <= gamma_(blocks + 3) x
 //! sum_b |fl(d_w d_a)_b| x sum_i |w_i a_i|, hence
 //! |here - ggml| <= 2 gamma_(blocks + 3) x sum_b |fl(d_w d_a)_b| x sum_i |w_i a_i|,
-//! the bound the tests check.
+//! the bound the tests check. Q4_K's rows keep their nibbles (register j of a pair of
+//! sub-blocks: bytes 4j..4j+4 of each row's 32, the first sub-block in the low nibbles) and
+//! get their scales and mins as 16-bit pairs per row lane; per 256-value block each row's
+//! lane gets the exact sum of scale x value x activation and of min x the activation's
+//! sub-block sums, and two fused multiply-adds (d_w d_a, then -dmin_w d_a): a chain of
+//! 2 x blocks roundings against ggml's blocks + 4 (two accumulators and their reductions),
+//! so |here - ggml| <= 2 gamma_(2 blocks + 4) x sum_b (|fl(d_w d_a)| sum_i |scale_i w_i a_i|
+//! + |fl(dmin_w d_a)| sum_s min_s |sum_(i in s) a_i|).
 
 use super::avx2::fp16_at;
 use super::{GemmFn, GEMM_ROWS as ROWS};
@@ -39,13 +46,38 @@ const Q8_0_BLOCK: usize = 34;
 pub(super) const Q4: u8 = 0;
 pub(super) const Q5: u8 = 1;
 pub(super) const Q8: u8 = 2;
+pub(super) const Q4K: u8 = 3;
+
+/// Bytes of a Q8_K activation block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
+const Q8_K_BLOCK: usize = 292;
+/// Offset of a Q8_K block's sums.
+const Q8_K_SUMS: usize = 4 + 256;
 
 /// A type's block bytes and value offset.
 const fn layout(kind: u8) -> (usize, i32) {
     match kind {
         Q5 => (22, 16),
         Q8 => (Q8_0_BLOCK, 128),
+        Q4K => (144, 0),
         _ => (18, 8),
+    }
+}
+
+/// Values per block of the type, and bytes of its activation block.
+const fn unit(kind: u8) -> (usize, usize) {
+    if kind == Q4K {
+        (256, Q8_K_BLOCK)
+    } else {
+        (32, Q8_0_BLOCK)
+    }
+}
+
+/// Activation sums per block: the offset's (Q8_0), or Q4_K's pairs of sub-block sums.
+const fn sums_per_block(kind: u8) -> usize {
+    if kind == Q4K {
+        4
+    } else {
+        1
     }
 }
 
@@ -58,9 +90,15 @@ const fn registers(kind: u8) -> usize {
     }
 }
 
-/// 32-byte units of a packed block of eight rows: the registers, then eight f32 scales.
+/// 32-byte units of a packed block of eight rows: the registers, then eight f32 scales (Q4_K:
+/// the registers of four sub-block pairs' nibbles, eight of sub-block scales and four of
+/// mins as 16-bit pairs per row, then d and dmin as f32).
 const fn packed_block(kind: u8) -> usize {
-    registers(kind) + 1
+    if kind == Q4K {
+        32 + 8 + 4 + 2
+    } else {
+        registers(kind) + 1
+    }
 }
 
 /// The kernel for `KIND`.
@@ -68,6 +106,7 @@ pub(super) fn gemm_fn(kind: u8) -> GemmFn {
     match kind {
         Q5 => gemm::<Q5>,
         Q8 => gemm::<Q8>,
+        Q4K => gemm::<Q4K>,
         _ => gemm::<Q4>,
     }
 }
@@ -80,13 +119,14 @@ thread_local! {
 /// The safe entry: checks the sizes, then repacks and runs the tiles. The CPU's AVX2, FMA and
 /// F16C were checked when the kernels were chosen ([`super::RowDots::with_isa`]).
 fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]) {
-    let (block, _) = layout(KIND);
-    let n = w.len() / rb;
+    let ((block, _), (values, act_block)) = (layout(KIND), unit(KIND));
+    let (n, blocks) = (w.len() / rb, blocks * 32 / values);
+    let per_sums = sums_per_block(KIND);
     assert!(
         rb == blocks * block
             && w.len() == n * rb
             && n.is_multiple_of(ROWS)
-            && acts.iter().all(|a| a.len() == blocks * Q8_0_BLOCK)
+            && acts.iter().all(|a| a.len() == blocks * act_block)
             && out.len() == n * acts.len(),
         "{} weight bytes of rows of {rb}, {} tokens, {} outputs: not whole groups",
         w.len(),
@@ -97,15 +137,24 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
         let per_group = blocks * packed_block(KIND);
         // SAFETY: zero bits are a valid vector.
         packed.resize(n / ROWS * per_group, unsafe { std::mem::zeroed() });
-        sums.resize(acts.len() * blocks, 0);
+        sums.resize(acts.len() * blocks * per_sums, 0);
         // SAFETY: the sizes are checked above and the CPU features when the kernel was
         // chosen; `packed` holds n / ROWS groups of `blocks` packed blocks.
         unsafe {
             for (g, dst) in packed.chunks_exact_mut(per_group).enumerate() {
-                pack::<KIND>(w[g * ROWS * rb..].as_ptr(), rb, blocks, dst.as_mut_ptr());
+                let w = w[g * ROWS * rb..].as_ptr();
+                if KIND == Q4K {
+                    pack_q4_k(w, rb, blocks, dst.as_mut_ptr());
+                } else {
+                    pack::<KIND>(w, rb, blocks, dst.as_mut_ptr());
+                }
             }
-            for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks)) {
-                block_sums::<KIND>(a.as_ptr(), s);
+            for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks * per_sums)) {
+                if KIND == Q4K {
+                    sub_block_sums(a.as_ptr(), s);
+                } else {
+                    block_sums::<KIND>(a.as_ptr(), s);
+                }
             }
             let tokens = acts.len();
             for (g, group) in packed.chunks_exact(per_group).enumerate() {
@@ -114,14 +163,20 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
                     let tile = (tokens - t0).min(TILE_TOKENS);
                     let a: [*const u8; TILE_TOKENS] =
                         std::array::from_fn(|t| acts[t0 + t.min(tile - 1)].as_ptr());
-                    let s: [*const i32; TILE_TOKENS] =
-                        std::array::from_fn(|t| sums[(t0 + t.min(tile - 1)) * blocks..].as_ptr());
+                    let s: [*const i32; TILE_TOKENS] = std::array::from_fn(|t| {
+                        sums[(t0 + t.min(tile - 1)) * blocks * per_sums..].as_ptr()
+                    });
                     let mut o = [[0f32; ROWS]; TILE_TOKENS];
-                    match tile {
-                        4 => tile_fn::<KIND, 4>(group.as_ptr(), blocks, a, s, &mut o),
-                        3 => tile_fn::<KIND, 3>(group.as_ptr(), blocks, a, s, &mut o),
-                        2 => tile_fn::<KIND, 2>(group.as_ptr(), blocks, a, s, &mut o),
-                        _ => tile_fn::<KIND, 1>(group.as_ptr(), blocks, a, s, &mut o),
+                    let p = group.as_ptr();
+                    match (KIND == Q4K, tile) {
+                        (true, 4) => tile_q4_k::<4>(p, blocks, a, s, &mut o),
+                        (true, 3) => tile_q4_k::<3>(p, blocks, a, s, &mut o),
+                        (true, 2) => tile_q4_k::<2>(p, blocks, a, s, &mut o),
+                        (true, _) => tile_q4_k::<1>(p, blocks, a, s, &mut o),
+                        (_, 4) => tile_fn::<KIND, 4>(p, blocks, a, s, &mut o),
+                        (_, 3) => tile_fn::<KIND, 3>(p, blocks, a, s, &mut o),
+                        (_, 2) => tile_fn::<KIND, 2>(p, blocks, a, s, &mut o),
+                        _ => tile_fn::<KIND, 1>(p, blocks, a, s, &mut o),
                     }
                     for (t, o) in o[..tile].iter().enumerate() {
                         let at = (t0 + t) * n + g * ROWS;
@@ -284,6 +339,132 @@ unsafe fn tile_fn<const KIND: u8, const T: usize>(
                 let sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(s[t].add(b).read()));
                 let dd = _mm256_mul_ps(dw, _mm256_set1_ps(fp16_at(y[t])));
                 acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sum), acc[t]);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: eight f32 into eight.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
+/// Repacks eight Q4_K rows at `w` (`rb` bytes apart) into `supers` packed blocks at `dst`.
+///
+/// # Safety
+/// `w` points at eight rows of `supers` Q4_K blocks, `dst` at room for `supers` packed
+/// blocks; the CPU has AVX2 and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_q4_k(w: *const u8, rb: usize, supers: usize, dst: *mut __m256i) {
+    let (block, _) = layout(Q4K);
+    for b in 0..supers {
+        // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
+        unsafe {
+            let x: [*const u8; ROWS] = std::array::from_fn(|r| w.add(r * rb + b * block));
+            let out = dst.add(b * packed_block(Q4K));
+            for p in 0..4 {
+                let v = x.map(|x| _mm256_loadu_si256(x.add(16 + 32 * p).cast()));
+                transpose(v, out.add(8 * p));
+            }
+            let sm =
+                x.map(|x| super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read()));
+            // Per row r, 16-bit lanes 2r and 2r + 1: a sub-block's scale twice; a pair of
+            // sub-blocks' mins.
+            for s in 0..8 {
+                let v: [i16; 16] = std::array::from_fn(|i| i16::from(sm[i / 2][s]));
+                out.add(32 + s).cast::<[i16; 16]>().write_unaligned(v);
+            }
+            for p in 0..4 {
+                let v: [i16; 16] = std::array::from_fn(|i| i16::from(sm[i / 2][8 + 2 * p + i % 2]));
+                out.add(40 + p).cast::<[i16; 16]>().write_unaligned(v);
+            }
+            let d: [f32; ROWS] = x.map(|x| fp16_at(x));
+            let dmin: [f32; ROWS] = x.map(|x| fp16_at(x.add(2)));
+            out.add(44).cast::<[f32; ROWS]>().write_unaligned(d);
+            out.add(45).cast::<[f32; ROWS]>().write_unaligned(dmin);
+        }
+    }
+}
+
+/// Each Q8_K block's sub-block sums (of 32 values, from its sums of 16), two to a 32-bit word
+/// as the packed mins pair them.
+///
+/// # Safety
+/// `a` points at `sums.len() / 4` Q8_K blocks.
+unsafe fn sub_block_sums(a: *const u8, sums: &mut [i32]) {
+    for (b, s) in sums.chunks_exact_mut(4).enumerate() {
+        // SAFETY: block b's sums, per the contract.
+        let bs: [i16; 16] = unsafe {
+            a.add(b * Q8_K_BLOCK + Q8_K_SUMS)
+                .cast::<[i16; 16]>()
+                .read_unaligned()
+        };
+        for (p, s) in s.iter_mut().enumerate() {
+            let lo = bs[4 * p] + bs[4 * p + 1];
+            let hi = bs[4 * p + 2] + bs[4 * p + 3];
+            *s = i32::from(lo as u16) | i32::from(hi as u16) << 16;
+        }
+    }
+}
+
+/// One group of eight packed Q4_K rows against `T` tokens (`a`, their sub-block sums `s`):
+/// per block the exact sums of scale x value x activation and of min x activation sum, each
+/// row in its lane, added times d_w * d_a and -dmin_w * d_a with two fused multiply-adds.
+///
+/// # Safety
+/// `p` points at `supers` packed blocks, each of `a` at `supers` Q8_K blocks and each of `s`
+/// at `4 * supers` sums; the CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q4_k<const T: usize>(
+    p: *const __m256i,
+    supers: usize,
+    a: [*const u8; TILE_TOKENS],
+    s: [*const i32; TILE_TOKENS],
+    out: &mut [[f32; ROWS]; TILE_TOKENS],
+) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..supers {
+        // SAFETY: packed block b and block b of each token, per the contract.
+        unsafe {
+            let p = p.add(b * packed_block(Q4K));
+            let y: [*const u8; T] = std::array::from_fn(|t| a[t].add(b * Q8_K_BLOCK));
+            let mut sum = [_mm256_setzero_si256(); T];
+            for sb in 0..8 {
+                // Sub-block sb: the low (even) or high (odd) nibbles of pair sb / 2; eight
+                // 16-bit sums of at most 2 x 15 x 128 stay in range.
+                let mut s16 = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    let wj = p.add(8 * (sb / 2) + j).read();
+                    let v = if sb % 2 == 0 {
+                        _mm256_and_si256(wj, m4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(wj), m4)
+                    };
+                    for t in 0..T {
+                        let at = y[t].add(4 + 32 * sb + 4 * j);
+                        let aj = _mm256_set1_epi32(at.cast::<i32>().read_unaligned());
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(v, aj));
+                    }
+                }
+                let scale = p.add(32 + sb).read();
+                for t in 0..T {
+                    sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(s16[t], scale));
+                }
+            }
+            let (d, dmin) = (
+                _mm256_loadu_ps(p.add(44).cast()),
+                _mm256_loadu_ps(p.add(45).cast()),
+            );
+            for t in 0..T {
+                let mut mins = _mm256_setzero_si256();
+                for q in 0..4 {
+                    let pair = _mm256_set1_epi32(s[t].add(4 * b + q).read());
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(p.add(40 + q).read(), pair));
+                }
+                let yd = _mm256_set1_ps(y[t].cast::<f32>().read_unaligned());
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+                let dm = _mm256_mul_ps(dmin, _mm256_sub_ps(_mm256_setzero_ps(), yd));
+                acc[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(mins), acc[t]);
             }
         }
     }
