@@ -369,13 +369,13 @@ unsafe fn pack_q4_k(w: *const u8, rb: usize, supers: usize, dst: *mut __m256i) {
                 x.map(|x| super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read()));
             // Per row r, 16-bit lanes 2r and 2r + 1: a sub-block's scale twice; a pair of
             // sub-blocks' mins.
-            for s in 0..8 {
-                let v: [i16; 16] = std::array::from_fn(|i| i16::from(sm[i / 2][s]));
-                out.add(32 + s).cast::<[i16; 16]>().write_unaligned(v);
-            }
-            for p in 0..4 {
-                let v: [i16; 16] = std::array::from_fn(|i| i16::from(sm[i / 2][8 + 2 * p + i % 2]));
-                out.add(40 + p).cast::<[i16; 16]>().write_unaligned(v);
+            let scales: [[i16; 16]; 8] =
+                std::array::from_fn(|s| std::array::from_fn(|i| i16::from(sm[i / 2][s])));
+            let mins: [[i16; 16]; 4] = std::array::from_fn(|p| {
+                std::array::from_fn(|i| i16::from(sm[i / 2][8 + 2 * p + i % 2]))
+            });
+            for (i, v) in scales.iter().chain(&mins).enumerate() {
+                out.add(32 + i).cast::<[i16; 16]>().write_unaligned(*v);
             }
             let d: [f32; ROWS] = x.map(|x| fp16_at(x));
             let dmin: [f32; ROWS] = x.map(|x| fp16_at(x.add(2)));
