@@ -91,6 +91,9 @@ type GroupFn = unsafe fn(
 /// Rows of one group of the interleaved tiled kernels.
 const GEMM_ROWS: usize = 8;
 
+/// Rows per call where the interleaved tiled kernel runs ([`RowDots::pass_rows`]).
+pub(crate) const GEMM_PASS_ROWS: usize = 64;
+
 /// `out[t * n + r]` = row r of `w` (n rows of `rb` bytes, a multiple of [`GEMM_ROWS`])
 /// against token t's activation row `acts[t]`, each `blocks` 32-value blocks.
 type GemmFn = fn(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]);
@@ -132,16 +135,17 @@ impl RowDots {
             #[cfg(not(target_arch = "x86_64"))]
             _ => None,
         };
-        // From 4 tokens (Q8_0: 8) the tiles beat the group kernels: 16 rows of 2048, one
-        // thread, Q4_0 95 against 55 GFLOP/s at 4 tokens, 132 against 54 at 128; Q5_0 81
-        // against 47 and 133 against 45; Q8_0 54 against 55 at 4, 64 against 55 at 8.
+        // From 4 tokens (Q8_0: 8, Q4_K: 16) the tiles beat the group kernels: 16 rows of
+        // 2048, one thread, Q4_0 95 against 55 GFLOP/s at 4 tokens, 132 against 54 at 128;
+        // Q5_0 81 against 47 and 133 against 45; Q8_0 54 against 55 at 4, 64 against 55 at
+        // 8; Q4_K 100 against 104 at 8, 126 against 100 at 16, 179 against 100 at 128.
         let gemm = match level {
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 => match (kernel.weight_type(), kernel.act_type()) {
                 (GgmlType::Q4_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4), 4)),
                 (GgmlType::Q5_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q5), 4)),
                 (GgmlType::Q8_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q8), 8)),
-                (GgmlType::Q4_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4K), 8)),
+                (GgmlType::Q4_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4K), 16)),
                 _ => None,
             },
             _ => None,
@@ -160,6 +164,19 @@ impl RowDots {
         match self.gemm {
             Some((_, min)) if tokens >= min => rows / GEMM_ROWS * GEMM_ROWS,
             _ => 0,
+        }
+    }
+
+    /// Rows per call of [`RowDots::dots`] for `tokens` activation rows: [`PASS_ROWS`], which
+    /// stay in the L1 cache while every token reads them, or where the tiled kernel runs
+    /// [`GEMM_PASS_ROWS`], whose repacking keeps them there (a call's repacking and activation
+    /// sums are then shared by more rows: Q5_0, 640 columns, 128 tokens, one thread, 138
+    /// GFLOP/s in calls of 16 rows, 161 in calls of 64).
+    pub(crate) fn pass_rows(&self, tokens: usize) -> usize {
+        if self.gemm_rows(tokens, GEMM_ROWS) > 0 {
+            GEMM_PASS_ROWS
+        } else {
+            PASS_ROWS
         }
     }
 
