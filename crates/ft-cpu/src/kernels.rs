@@ -94,8 +94,8 @@ const GEMM_ROWS: usize = 8;
 /// Rows per call where the interleaved tiled kernel runs ([`RowDots::pass_rows`]).
 pub(crate) const GEMM_PASS_ROWS: usize = 64;
 
-/// `out[t * n + r]` = row r of `w` (n rows of `rb` bytes, a multiple of [`GEMM_ROWS`])
-/// against token t's activation row `acts[t]`, each `blocks` 32-value blocks.
+/// `out[t * n + r]` = row r of `w` (n rows of `rb` bytes) against token t's activation row
+/// `acts[t]`, each `blocks` 32-value blocks.
 type GemmFn = fn(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]);
 
 /// A weight type's group kernels on this CPU: one per [`TILES`] size, and one for a single
@@ -157,14 +157,12 @@ impl RowDots {
         }
     }
 
-    /// The rows, of `rows` from the first, that [`RowDots::dots`] computes through the
-    /// interleaved tiled kernel for `tokens` activation rows (the others through the group
-    /// kernels or ggml's, bit-identical to ggml's row kernel).
-    pub(crate) fn gemm_rows(&self, tokens: usize, rows: usize) -> usize {
-        match self.gemm {
-            Some((_, min)) if tokens >= min => rows / GEMM_ROWS * GEMM_ROWS,
-            _ => 0,
-        }
+    /// Whether [`RowDots::dots`] computes every row through the interleaved tiled kernel for
+    /// `tokens` activation rows (else through the group kernels or ggml's, bit-identical to
+    /// ggml's row kernel). It depends on the count alone, so a row's value does not depend on
+    /// how the rows are split across tasks.
+    pub(crate) fn tiled(&self, tokens: usize) -> bool {
+        matches!(self.gemm, Some((_, min)) if tokens >= min)
     }
 
     /// Rows per call of [`RowDots::dots`] for `tokens` activation rows: [`PASS_ROWS`], which
@@ -173,7 +171,7 @@ impl RowDots {
     /// sums are then shared by more rows: Q5_0, 640 columns, 128 tokens, one thread, 138
     /// GFLOP/s in calls of 16 rows, 161 in calls of 64).
     pub(crate) fn pass_rows(&self, tokens: usize) -> usize {
-        if self.gemm_rows(tokens, GEMM_ROWS) > 0 {
+        if self.tiled(tokens) {
             GEMM_PASS_ROWS
         } else {
             PASS_ROWS
@@ -183,8 +181,8 @@ impl RowDots {
     /// `out[t * n + i]` = row i of `w` (n consecutive rows) . `acts[t]`, where each `acts[t]`
     /// holds one or more quantized rows of one activation ([`crate::acts::ActCodec`]'s passes,
     /// the same number for all) and the result is the sum over them; with one pass each value
-    /// is exactly what `VecDot::dot` gives for that row (but for the first
-    /// [`RowDots::gemm_rows`], which are within the bound `avx2_gemm` states), and with several
+    /// is exactly what `VecDot::dot` gives for that row (but where [`RowDots::tiled`]: within
+    /// the bound `avx2_gemm` states), and with several
     /// the passes' values added in order.
     pub(crate) fn dots(&self, w: &[u8], acts: &[&[u8]], out: &mut [f32]) {
         let (ab, rb) = (self.kernel.act_row_bytes(), self.kernel.weight_row_bytes());
@@ -212,17 +210,17 @@ impl RowDots {
                     o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
                 }
             };
-            let blocks = self.kernel.k() / 32;
-            let g = self.gemm_rows(acts.len(), n);
-            if let Some((gemm, _)) = self.gemm.filter(|_| g > 0) {
-                let a: Vec<&[u8]> = (0..acts.len()).map(pass).collect();
-                let mut v = vec![0f32; acts.len() * g];
-                gemm(&w[..g * rb], rb, blocks, &a, &mut v);
-                for (t, v) in v.chunks_exact(g).enumerate() {
-                    put(t, 0, v);
+            match self.gemm.filter(|_| self.tiled(acts.len())) {
+                Some((gemm, _)) if n > 0 => {
+                    let a: Vec<&[u8]> = (0..acts.len()).map(pass).collect();
+                    let mut v = vec![0f32; acts.len() * n];
+                    gemm(w, rb, self.kernel.k() / 32, &a, &mut v);
+                    for (t, v) in v.chunks_exact(n).enumerate() {
+                        put(t, 0, v);
+                    }
                 }
+                _ => self.group_dots(w, acts.len(), pass, &mut put),
             }
-            self.group_dots(&w[g * rb..], acts.len(), pass, |t, r0, v| put(t, g + r0, v));
         }
     }
 
@@ -602,14 +600,14 @@ mod tile_tests {
                         .collect();
                     // The interleaved tiled kernel's rows: within the bound it states, of
                     // each pass (and the sum's rounding).
-                    let g = dots.gemm_rows(n_tok, n_rows);
+                    let tiled = dots.tiled(n_tok);
                     let bound = |i: usize| {
                         let (tok, r) = (i / n_rows, i % n_rows);
                         gemm_bound(t, &w[r * rb..(r + 1) * rb], one[tok])
                     };
                     for (i, (v, want)) in got.iter().zip(&want).enumerate() {
                         let (tok, r) = (i / n_rows, i % n_rows);
-                        if r < g {
+                        if tiled {
                             let err = (v - want).abs();
                             assert!(err <= bound(i), "{case}: token {tok} row {r}: {v} {want}");
                         } else {
@@ -620,7 +618,7 @@ mod tile_tests {
                         let (tok, r) = (i / n_rows, i % n_rows);
                         let next = (tok + 1) % n_tok * n_rows + r;
                         let want_sum = want[i] + want[next];
-                        if r < g {
+                        if tiled {
                             let err = (v - want_sum).abs();
                             let b = bound(i) + bound(next) + v.abs() * f32::EPSILON / 2.0;
                             assert!(err <= b, "{case}, 2 passes: {tok} {r}: {v} {want_sum}");

@@ -125,10 +125,9 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
     assert!(
         rb == blocks * block
             && w.len() == n * rb
-            && n.is_multiple_of(ROWS)
             && acts.iter().all(|a| a.len() == blocks * act_block)
             && out.len() == n * acts.len(),
-        "{} weight bytes of rows of {rb}, {} tokens, {} outputs: not whole groups",
+        "{} weight bytes of rows of {rb}, {} tokens, {} outputs: not whole rows",
         w.len(),
         acts.len(),
         out.len()
@@ -136,17 +135,19 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
     SCRATCH.with_borrow_mut(|(packed, sums)| {
         let per_group = blocks * packed_block(KIND);
         // SAFETY: zero bits are a valid vector.
-        packed.resize(n / ROWS * per_group, unsafe { std::mem::zeroed() });
+        packed.resize(n.div_ceil(ROWS) * per_group, unsafe { std::mem::zeroed() });
         sums.resize(acts.len() * blocks * per_sums, 0);
         // SAFETY: the sizes are checked above and the CPU features when the kernel was
-        // chosen; `packed` holds n / ROWS groups of `blocks` packed blocks.
+        // chosen; `packed` holds n / ROWS groups (rounded up) of `blocks` packed blocks.
         unsafe {
             for (g, dst) in packed.chunks_exact_mut(per_group).enumerate() {
-                let w = w[g * ROWS * rb..].as_ptr();
+                // A last group of fewer rows repeats its last row.
+                let rows: [*const u8; ROWS] =
+                    std::array::from_fn(|r| w[(g * ROWS + r).min(n - 1) * rb..].as_ptr());
                 if KIND == Q4K {
-                    pack_q4_k(w, rb, blocks, dst.as_mut_ptr());
+                    pack_q4_k(rows, blocks, dst.as_mut_ptr());
                 } else {
-                    pack::<KIND>(w, rb, blocks, dst.as_mut_ptr());
+                    pack::<KIND>(rows, blocks, dst.as_mut_ptr());
                 }
             }
             for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks * per_sums)) {
@@ -178,9 +179,10 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
                         (_, 2) => tile_fn::<KIND, 2>(p, blocks, a, s, &mut o),
                         _ => tile_fn::<KIND, 1>(p, blocks, a, s, &mut o),
                     }
+                    let rows = (n - g * ROWS).min(ROWS);
                     for (t, o) in o[..tile].iter().enumerate() {
                         let at = (t0 + t) * n + g * ROWS;
-                        out[at..at + ROWS].copy_from_slice(o);
+                        out[at..at + rows].copy_from_slice(&o[..rows]);
                     }
                     t0 += tile;
                 }
@@ -189,18 +191,18 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
     });
 }
 
-/// Repacks eight rows at `w` (`rb` bytes apart) into `blocks` packed blocks at `dst`.
+/// Repacks eight rows into `blocks` packed blocks at `dst`.
 ///
 /// # Safety
-/// `w` points at eight rows of `blocks` blocks of the type, `dst` at room for `blocks`
+/// Each of `w` points at a row of `blocks` blocks of the type, `dst` at room for `blocks`
 /// packed blocks; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack<const KIND: u8>(w: *const u8, rb: usize, blocks: usize, dst: *mut __m256i) {
+unsafe fn pack<const KIND: u8>(w: [*const u8; ROWS], blocks: usize, dst: *mut __m256i) {
     let (block, _) = layout(KIND);
     for b in 0..blocks {
         // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
         unsafe {
-            let x: [*const u8; ROWS] = std::array::from_fn(|r| w.add(r * rb + b * block));
+            let x = w.map(|w| w.add(b * block));
             let out = dst.add(b * packed_block(KIND));
             let v = x.map(|x| values::<KIND>(x));
             if KIND == Q8 {
@@ -348,18 +350,18 @@ unsafe fn tile_fn<const KIND: u8, const T: usize>(
     }
 }
 
-/// Repacks eight Q4_K rows at `w` (`rb` bytes apart) into `supers` packed blocks at `dst`.
+/// Repacks eight Q4_K rows into `supers` packed blocks at `dst`.
 ///
 /// # Safety
-/// `w` points at eight rows of `supers` Q4_K blocks, `dst` at room for `supers` packed
+/// Each of `w` points at a row of `supers` Q4_K blocks, `dst` at room for `supers` packed
 /// blocks; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack_q4_k(w: *const u8, rb: usize, supers: usize, dst: *mut __m256i) {
+unsafe fn pack_q4_k(w: [*const u8; ROWS], supers: usize, dst: *mut __m256i) {
     let (block, _) = layout(Q4K);
     for b in 0..supers {
         // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
         unsafe {
-            let x: [*const u8; ROWS] = std::array::from_fn(|r| w.add(r * rb + b * block));
+            let x = w.map(|w| w.add(b * block));
             let out = dst.add(b * packed_block(Q4K));
             for p in 0..4 {
                 let v = x.map(|x| _mm256_loadu_si256(x.add(16 + 32 * p).cast()));
