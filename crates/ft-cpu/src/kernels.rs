@@ -15,7 +15,9 @@
 //! multiply-adds over the blocks and the same horizontal sum, only for two rows per
 //! instruction; with several activation rows each weight block is unpacked once for all of
 //! them. Other types and CPUs, and a ggml built without AVX2 (whose kernels round
-//! differently), use ggml's kernel row by row.
+//! differently), use ggml's kernel row by row. At the AVX2 level the group kernels (`avx2`)
+//! are bit-identical too, and the products of several tokens for Q4_0, Q5_0, Q8_0 and Q4_K
+//! run as tiles over interleaved rows (`avx2_gemm`), within a derived bound of ggml's.
 
 use crate::isa::{cpu_isa, CpuIsa};
 use freetoken_ggml::{GgmlType, Result, VecDot};
@@ -552,7 +554,7 @@ mod tile_tests {
     /// of three (an odd count: the table types' scalar tail); with two passes per token, the
     /// two passes' products added.
     #[test]
-    fn tokens_times_rows_equal_ggml_bit_for_bit() {
+    fn tokens_times_rows_equal_ggml_or_within_the_tiles_bound() {
         for (t, blocks) in super::tests::GROUP_TYPES
             .into_iter()
             .flat_map(|t| [1, 3].map(|b| (t, b)))
