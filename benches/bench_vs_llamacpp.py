@@ -1,9 +1,11 @@
 """Side-by-side speed and peak RSS: `freetoken bench` against llama.cpp's `llama-bench`, built
 from the same pinned source with the same CPU options (tools/llama_ref.py), in one run.
 
-    python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-t 2] [-r 3]
+    python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-t 2] [-r 3] [--rounds 1]
 
-Prints a markdown table (and, with --json FILE, the raw figures) with the ratio ours/llama.cpp.
+Prints a markdown table (and, with --json FILE, the raw figures) with the ratio ours/llama.cpp;
+with --rounds N the two alternate N times (on a shared host each sees the same load on average)
+and the ratio is of the medians, each round's load average beside it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,19 @@ def bench_ours(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]:
     return res
 
 
+def _row(label: str, res: dict[str, Any]) -> str:
+    return (
+        f"| {label} | {res['pp_tokens_per_s']:.1f} | {res['decode_tokens_per_s']:.1f} | "
+        f"{res['peak_rss_mib']:.0f} |"
+    )
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", help="GGUF (default: the embedded default model)")
@@ -66,28 +81,49 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate llama.cpp and ours this many times; the ratio is of the medians",
+    )
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     if args.model is None:
         from freetoken.default_model import default_model_path
 
         args.model = str(default_model_path())
-    ref = bench_llamacpp(args.model, args.p, args.n, args.t, args.r)
-    ours = bench_ours(args.model, args.p, args.n, args.t, args.r)
+    refs: list[dict[str, Any]] = []
+    ourss: list[dict[str, Any]] = []
+    loads: list[float] = []
+    for _ in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        refs.append(bench_llamacpp(args.model, args.p, args.n, args.t, args.r))
+        ourss.append(bench_ours(args.model, args.p, args.n, args.t, args.r))
     name = os.path.basename(args.model)
     print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}, {args.r} reps\n")
     print("| | pp t/s | decode t/s | peak RSS MiB |")
     print("| --- | ---: | ---: | ---: |")
-    for label, res in (("llama.cpp", ref), ("freetoken", ours)):
-        print(
-            f"| {label} | {res['pp_tokens_per_s']:.1f} | {res['decode_tokens_per_s']:.1f} | "
-            f"{res['peak_rss_mib']:.0f} |"
-        )
+    for i, (ref, ours) in enumerate(zip(refs, ourss, strict=True)):
+        tag = f" (round {i + 1}, load {loads[i]:.1f})" if args.rounds > 1 else ""
+        print(_row(f"llama.cpp{tag}", ref))
+        print(_row(f"freetoken{tag}", ours))
+    keys = ("pp_tokens_per_s", "decode_tokens_per_s", "peak_rss_mib")
+    ref = {k: _median([r[k] for r in refs]) for k in keys}
+    ours = {k: _median([r[k] for r in ourss]) for k in keys}
+    if args.rounds > 1:
+        print(_row("llama.cpp median", ref))
+        print(_row("freetoken median", ours))
     pp_ratio = ours["pp_tokens_per_s"] / ref["pp_tokens_per_s"]
     tg_ratio = ours["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
     print(f"| ratio | {pp_ratio:.2f}x | {tg_ratio:.2f}x | |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"llama.cpp": ref, "freetoken": ours}, indent=1))
+        rounds = [
+            {"llama.cpp": r, "freetoken": o, "load": la}
+            for r, o, la in zip(refs, ourss, loads, strict=True)
+        ]
+        figures = {"llama.cpp": ref, "freetoken": ours, "rounds": rounds}
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 //! The quantized product y[T, N] = x[T, K] . W^T for W in any type with a CPU dot product.
 
 use crate::acts::ActCodec;
-use crate::kernels::{RowDots, PASS_ROWS};
+use crate::kernels::RowDots;
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
 
@@ -159,10 +159,11 @@ pub fn matmul_group(
         let (w, acts, out) = (&ws[i], &act_rows[i], outs[i]);
         let rb = w.kernel.weight_row_bytes();
         let rows = r0..(r0 + per).min(w.n);
-        let mut v = vec![0f32; t * PASS_ROWS];
+        let pass_rows = dots[i].pass_rows(t);
+        let mut v = vec![0f32; t * pass_rows];
         // A pass's rows stay in the L1 cache while every token reads them.
-        for p0 in rows.clone().step_by(PASS_ROWS) {
-            let pass = p0..(p0 + PASS_ROWS).min(rows.end);
+        for p0 in rows.clone().step_by(pass_rows) {
+            let pass = p0..(p0 + pass_rows).min(rows.end);
             let v = &mut v[..t * pass.len()];
             dots[i].dots(&w.data[pass.start * rb..pass.end * rb], acts, v);
             for (tok, v) in v.chunks_exact(pass.len()).enumerate() {

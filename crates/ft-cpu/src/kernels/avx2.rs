@@ -18,7 +18,7 @@
 
 use super::avx512::e8m0_half;
 use super::avx512_k::IQ4_VALUES;
-use super::{GroupFn, GroupFns, GROUP, PASS_ROWS};
+use super::{GroupFns, GROUP, PASS_ROWS};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
 
@@ -112,26 +112,26 @@ const fn pass_tokens(kind: u8) -> usize {
 /// The group kernels for `kernel`'s types, on a CPU with AVX2, FMA and F16C and a ggml whose
 /// row kernels take their AVX2 paths (the caller checks both).
 pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
-    let fns = |tiles: [GroupFn; 2], one: GroupFn| {
-        Some(GroupFns {
-            tiles,
-            one: Some(one),
-        })
-    };
     match (kernel.weight_type(), kernel.act_type()) {
-        (GgmlType::Q4_K, GgmlType::Q8_K) => fns([tile::<Q4K, 8>, tile::<Q4K, 4>], tile::<Q4K, 1>),
-        (GgmlType::Q5_K, GgmlType::Q8_K) => fns([tile::<Q5K, 8>, tile::<Q5K, 4>], tile::<Q5K, 1>),
-        (GgmlType::Q6_K, GgmlType::Q8_K) => fns([tile::<Q6K, 8>, tile::<Q6K, 4>], tile::<Q6K, 1>),
-        (GgmlType::IQ4_XS, GgmlType::Q8_K) => {
-            fns([tile::<IQ4XS, 8>, tile::<IQ4XS, 4>], tile::<IQ4XS, 1>)
-        }
+        (GgmlType::Q4_K, GgmlType::Q8_K) => Some(kernels::<Q4K>()),
+        (GgmlType::Q5_K, GgmlType::Q8_K) => Some(kernels::<Q5K>()),
+        (GgmlType::Q6_K, GgmlType::Q8_K) => Some(kernels::<Q6K>()),
+        (GgmlType::IQ4_XS, GgmlType::Q8_K) => Some(kernels::<IQ4XS>()),
         _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
-        (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], tile::<Q4, 1>),
-        (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], tile::<Q5, 1>),
-        (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], tile::<Q8, 1>),
-        (GgmlType::IQ4_NL, _) => fns([tile::<NL, 8>, tile::<NL, 4>], tile::<NL, 1>),
-        (GgmlType::MXFP4, _) => fns([tile::<MX, 8>, tile::<MX, 4>], tile::<MX, 1>),
+        (GgmlType::Q4_0, _) => Some(kernels::<Q4>()),
+        (GgmlType::Q5_0, _) => Some(kernels::<Q5>()),
+        (GgmlType::Q8_0, _) => Some(kernels::<Q8>()),
+        (GgmlType::IQ4_NL, _) => Some(kernels::<NL>()),
+        (GgmlType::MXFP4, _) => Some(kernels::<MX>()),
         _ => None,
+    }
+}
+
+/// `KIND`'s kernels: tiles of 8 and 4 tokens, and one token.
+fn kernels<const KIND: u8>() -> GroupFns {
+    GroupFns {
+        tiles: [tile::<KIND, 8>, tile::<KIND, 4>],
+        one: Some(tile::<KIND, 1>),
     }
 }
 

@@ -1,15 +1,17 @@
-//! Q4_0 and Q5_0 rows against many Q8_0 activation rows with AVX2, FMA and F16C: a prompt
-//! chunk's product, or an expert's routes, as tiles of eight rows by four tokens over rows
-//! repacked into an interleaved layout.
+//! Q4_0, Q5_0 and Q8_0 rows against many Q8_0 activation rows, and Q4_K rows against Q8_K
+//! ones, with AVX2, FMA and F16C: a prompt chunk's product, or an expert's routes, as tiles of
+//! eight rows by four tokens over rows repacked into an interleaved layout.
 //!
 //! The rows a call gets (a pass of the callers', which stays in the L1 cache) are repacked
 //! once for all its tokens: per 32-value block and group of eight rows, eight registers, the
-//! j-th holding values 4j..4j+4 of each row, unpacked to bytes (the offset of 8 or 16
-//! included), and the eight rows' scales as f32. A token's block then costs one broadcast and
-//! one `maddubs` per register; the 16-bit sums of up to eight (Q4_0) or four (Q5_0) registers
-//! cannot overflow (|v| <= 15 or 31, |a| <= 128: 8 x 2 x 15 x 128 and 4 x 2 x 31 x 128 are
-//! below 2^15), a `madd` gives each row's exact block sum in its own 32-bit lane, the
-//! activation's block sum times the offset comes off, and one fused multiply-add per block
+//! j-th holding values 4j..4j+4 of each row, unpacked to unsigned bytes (the offset of 8 or 16
+//! included; Q8_0's values plus 128 as two planes of nibbles, the high one worth 16), and the
+//! eight rows' scales as f32. A token's block then costs one broadcast and one `maddubs` per
+//! register; the 16-bit sums of four registers (Q5_0, values up to 31) or eight (Q8_0's
+//! planes, up to 15) cannot overflow (|a| <= 128: 4 x 2 x 31 x 128 and 8 x 2 x 15 x 128 are
+//! below 2^15), a `madd` gives each row's exact block sum in its own 32-bit
+//! lane, the activation's block sum times the offset comes off, and one fused multiply-add per
+//! block
 //! adds d_w * d_a (ggml's f32 product) times it to the row's lane. Nothing is read from the
 //! memory-mapped weights but the rows themselves, so peak memory does not grow.
 //!
@@ -21,7 +23,14 @@
 //! |ggml - exact| <= gamma_(blocks + 3) x sum_b sum_lanes |lane terms| <= gamma_(blocks + 3) x
 //! sum_b |fl(d_w d_a)_b| x sum_i |w_i a_i|, hence
 //! |here - ggml| <= 2 gamma_(blocks + 3) x sum_b |fl(d_w d_a)_b| x sum_i |w_i a_i|,
-//! the bound the tests check.
+//! the bound the tests check. Q4_K's rows keep their nibbles (register j of a pair of
+//! sub-blocks: bytes 4j..4j+4 of each row's 32, the first sub-block in the low nibbles) and
+//! get their scales and mins as 16-bit pairs per row lane; per 256-value block each row's
+//! lane gets the exact sum of scale x value x activation and of min x the activation's
+//! sub-block sums, and two fused multiply-adds (d_w d_a, then -dmin_w d_a): a chain of
+//! 2 x blocks roundings against ggml's blocks + 4 (two accumulators and their reductions),
+//! so |here - ggml| <= 2 gamma_(2 blocks + 4) x sum_b (|fl(d_w d_a)| sum_i |scale_i w_i a_i|
+//! + |fl(dmin_w d_a)| sum_s min_s |sum_(i in s) a_i|).
 
 use super::avx2::fp16_at;
 use super::{GemmFn, GEMM_ROWS as ROWS};
@@ -32,28 +41,73 @@ use std::cell::RefCell;
 const TILE_TOKENS: usize = 4;
 /// Bytes of a Q8_0 activation block: fp16 scale, 32 signed values.
 const Q8_0_BLOCK: usize = 34;
-/// Bytes of a packed block of eight rows: eight registers of values, eight f32 scales.
-const PACKED_BLOCK: usize = 8 * 32 + 4 * ROWS;
 
 /// The weight types (const generic parameters).
 pub(super) const Q4: u8 = 0;
 pub(super) const Q5: u8 = 1;
+pub(super) const Q8: u8 = 2;
+pub(super) const Q4K: u8 = 3;
+
+/// Bytes of a Q8_K activation block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
+const Q8_K_BLOCK: usize = 292;
+/// Offset of a Q8_K block's sums.
+const Q8_K_SUMS: usize = 4 + 256;
 
 /// A type's block bytes and value offset.
 const fn layout(kind: u8) -> (usize, i32) {
-    if kind == Q5 {
-        (22, 16)
+    match kind {
+        Q5 => (22, 16),
+        Q8 => (Q8_0_BLOCK, 128),
+        Q4K => (144, 0),
+        _ => (18, 8),
+    }
+}
+
+/// Values per block of the type, and bytes of its activation block.
+const fn unit(kind: u8) -> (usize, usize) {
+    if kind == Q4K {
+        (256, Q8_K_BLOCK)
     } else {
-        (18, 8)
+        (32, Q8_0_BLOCK)
+    }
+}
+
+/// Activation sums per block: the offset's (Q8_0), or Q4_K's pairs of sub-block sums.
+const fn sums_per_block(kind: u8) -> usize {
+    if kind == Q4K {
+        4
+    } else {
+        1
+    }
+}
+
+/// Registers of values per packed block: one per word of a row (Q8_0: of each plane).
+const fn registers(kind: u8) -> usize {
+    if kind == Q8 {
+        16
+    } else {
+        8
+    }
+}
+
+/// 32-byte units of a packed block of eight rows: the registers, then eight f32 scales (Q4_K:
+/// the registers of four sub-block pairs' nibbles, eight of sub-block scales and four of
+/// mins as 16-bit pairs per row, then d and dmin as f32).
+const fn packed_block(kind: u8) -> usize {
+    if kind == Q4K {
+        32 + 8 + 4 + 2
+    } else {
+        registers(kind) + 1
     }
 }
 
 /// The kernel for `KIND`.
 pub(super) fn gemm_fn(kind: u8) -> GemmFn {
-    if kind == Q5 {
-        gemm::<Q5>
-    } else {
-        gemm::<Q4>
+    match kind {
+        Q5 => gemm::<Q5>,
+        Q8 => gemm::<Q8>,
+        Q4K => gemm::<Q4K>,
+        _ => gemm::<Q4>,
     }
 }
 
@@ -65,32 +119,43 @@ thread_local! {
 /// The safe entry: checks the sizes, then repacks and runs the tiles. The CPU's AVX2, FMA and
 /// F16C were checked when the kernels were chosen ([`super::RowDots::with_isa`]).
 fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]) {
-    let (block, _) = layout(KIND);
-    let n = w.len() / rb;
+    let ((block, _), (values, act_block)) = (layout(KIND), unit(KIND));
+    let (n, blocks) = (w.len() / rb, blocks * 32 / values);
+    let per_sums = sums_per_block(KIND);
     assert!(
         rb == blocks * block
             && w.len() == n * rb
-            && n.is_multiple_of(ROWS)
-            && acts.iter().all(|a| a.len() == blocks * Q8_0_BLOCK)
+            && acts.iter().all(|a| a.len() == blocks * act_block)
             && out.len() == n * acts.len(),
-        "{} weight bytes of rows of {rb}, {} tokens, {} outputs: not whole groups",
+        "{} weight bytes of rows of {rb}, {} tokens, {} outputs: not whole rows",
         w.len(),
         acts.len(),
         out.len()
     );
     SCRATCH.with_borrow_mut(|(packed, sums)| {
-        let per_group = blocks * PACKED_BLOCK / 32;
+        let per_group = blocks * packed_block(KIND);
         // SAFETY: zero bits are a valid vector.
-        packed.resize(n / ROWS * per_group, unsafe { std::mem::zeroed() });
-        sums.resize(acts.len() * blocks, 0);
+        packed.resize(n.div_ceil(ROWS) * per_group, unsafe { std::mem::zeroed() });
+        sums.resize(acts.len() * blocks * per_sums, 0);
         // SAFETY: the sizes are checked above and the CPU features when the kernel was
-        // chosen; `packed` holds n / ROWS groups of `blocks` packed blocks.
+        // chosen; `packed` holds n / ROWS groups (rounded up) of `blocks` packed blocks.
         unsafe {
             for (g, dst) in packed.chunks_exact_mut(per_group).enumerate() {
-                pack::<KIND>(w[g * ROWS * rb..].as_ptr(), rb, blocks, dst.as_mut_ptr());
+                // A last group of fewer rows repeats its last row.
+                let rows: [*const u8; ROWS] =
+                    std::array::from_fn(|r| w[(g * ROWS + r).min(n - 1) * rb..].as_ptr());
+                if KIND == Q4K {
+                    pack_q4_k(rows, blocks, dst.as_mut_ptr());
+                } else {
+                    pack::<KIND>(rows, blocks, dst.as_mut_ptr());
+                }
             }
-            for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks)) {
-                block_sums::<KIND>(a.as_ptr(), s);
+            for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks * per_sums)) {
+                if KIND == Q4K {
+                    sub_block_sums(a.as_ptr(), s);
+                } else {
+                    block_sums::<KIND>(a.as_ptr(), s);
+                }
             }
             let tokens = acts.len();
             for (g, group) in packed.chunks_exact(per_group).enumerate() {
@@ -99,18 +164,25 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
                     let tile = (tokens - t0).min(TILE_TOKENS);
                     let a: [*const u8; TILE_TOKENS] =
                         std::array::from_fn(|t| acts[t0 + t.min(tile - 1)].as_ptr());
-                    let s: [*const i32; TILE_TOKENS] =
-                        std::array::from_fn(|t| sums[(t0 + t.min(tile - 1)) * blocks..].as_ptr());
+                    let s: [*const i32; TILE_TOKENS] = std::array::from_fn(|t| {
+                        sums[(t0 + t.min(tile - 1)) * blocks * per_sums..].as_ptr()
+                    });
                     let mut o = [[0f32; ROWS]; TILE_TOKENS];
-                    match tile {
-                        4 => tile_fn::<4>(group.as_ptr(), blocks, a, s, &mut o),
-                        3 => tile_fn::<3>(group.as_ptr(), blocks, a, s, &mut o),
-                        2 => tile_fn::<2>(group.as_ptr(), blocks, a, s, &mut o),
-                        _ => tile_fn::<1>(group.as_ptr(), blocks, a, s, &mut o),
+                    let p = group.as_ptr();
+                    match (KIND == Q4K, tile) {
+                        (true, 4) => tile_q4_k::<4>(p, blocks, a, s, &mut o),
+                        (true, 3) => tile_q4_k::<3>(p, blocks, a, s, &mut o),
+                        (true, 2) => tile_q4_k::<2>(p, blocks, a, s, &mut o),
+                        (true, _) => tile_q4_k::<1>(p, blocks, a, s, &mut o),
+                        (_, 4) => tile_fn::<KIND, 4>(p, blocks, a, s, &mut o),
+                        (_, 3) => tile_fn::<KIND, 3>(p, blocks, a, s, &mut o),
+                        (_, 2) => tile_fn::<KIND, 2>(p, blocks, a, s, &mut o),
+                        _ => tile_fn::<KIND, 1>(p, blocks, a, s, &mut o),
                     }
+                    let rows = (n - g * ROWS).min(ROWS);
                     for (t, o) in o[..tile].iter().enumerate() {
                         let at = (t0 + t) * n + g * ROWS;
-                        out[at..at + ROWS].copy_from_slice(o);
+                        out[at..at + rows].copy_from_slice(&o[..rows]);
                     }
                     t0 += tile;
                 }
@@ -119,52 +191,74 @@ fn gemm<const KIND: u8>(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out:
     });
 }
 
-/// Repacks eight rows at `w` (`rb` bytes apart) into `blocks` packed blocks at `dst`.
+/// Repacks eight rows into `blocks` packed blocks at `dst`.
 ///
 /// # Safety
-/// `w` points at eight rows of `blocks` blocks of the type, `dst` at room for `blocks`
+/// Each of `w` points at a row of `blocks` blocks of the type, `dst` at room for `blocks`
 /// packed blocks; the CPU has AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack<const KIND: u8>(w: *const u8, rb: usize, blocks: usize, dst: *mut __m256i) {
+unsafe fn pack<const KIND: u8>(w: [*const u8; ROWS], blocks: usize, dst: *mut __m256i) {
     let (block, _) = layout(KIND);
     for b in 0..blocks {
         // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
         unsafe {
-            let x: [*const u8; ROWS] = std::array::from_fn(|r| w.add(r * rb + b * block));
+            let x = w.map(|w| w.add(b * block));
+            let out = dst.add(b * packed_block(KIND));
             let v = x.map(|x| values::<KIND>(x));
-            // An 8 x 8 transpose of 32-bit words: register j gets word j of each row.
-            let t: [__m256i; 8] = std::array::from_fn(|i| {
-                let (a, c) = (v[i & !1], v[i | 1]);
-                if i & 1 == 0 {
-                    _mm256_unpacklo_epi32(a, c)
-                } else {
-                    _mm256_unpackhi_epi32(a, c)
-                }
-            });
-            // u[i]: rows 4(i / 4)..+4, words i % 4 (low lanes) and i % 4 + 4 (high lanes).
-            let u: [__m256i; 8] = std::array::from_fn(|i| {
-                let (h, q) = (i / 4 * 4, i % 4);
-                let (a, c) = (t[h + q / 2], t[h + 2 + q / 2]);
-                if q % 2 == 0 {
-                    _mm256_unpacklo_epi64(a, c)
-                } else {
-                    _mm256_unpackhi_epi64(a, c)
-                }
-            });
-            let out = dst.add(b * PACKED_BLOCK / 32);
-            for j in 0..4 {
-                out.add(j)
-                    .write(_mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]));
-                out.add(4 + j)
-                    .write(_mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]));
+            if KIND == Q8 {
+                let m4 = _mm256_set1_epi8(0x0f);
+                let u = v.map(|v| _mm256_xor_si256(v, _mm256_set1_epi8(i8::MIN)));
+                transpose(u.map(|u| _mm256_and_si256(u, m4)), out);
+                let high = u.map(|u| _mm256_and_si256(_mm256_srli_epi16::<4>(u), m4));
+                transpose(high, out.add(8));
+            } else {
+                transpose(v, out);
             }
             let scales: [f32; ROWS] = x.map(|x| fp16_at(x));
-            out.add(8).cast::<[f32; ROWS]>().write_unaligned(scales);
+            let at = out.add(registers(KIND));
+            at.cast::<[f32; ROWS]>().write_unaligned(scales);
         }
     }
 }
 
-/// A block's 32 values as unsigned bytes in element order (offset included).
+/// Writes the 8 x 8 transpose of `v`'s 32-bit words to `out`: register j gets word j of each
+/// row.
+///
+/// # Safety
+/// Room for eight registers at `out`; the CPU has AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose(v: [__m256i; ROWS], out: *mut __m256i) {
+    let t: [__m256i; 8] = std::array::from_fn(|i| {
+        let (a, c) = (v[i & !1], v[i | 1]);
+        if i & 1 == 0 {
+            _mm256_unpacklo_epi32(a, c)
+        } else {
+            _mm256_unpackhi_epi32(a, c)
+        }
+    });
+    // u[i]: rows 4(i / 4)..+4, words i % 4 (low lanes) and i % 4 + 4 (high lanes).
+    let u: [__m256i; 8] = std::array::from_fn(|i| {
+        let (h, q) = (i / 4 * 4, i % 4);
+        let (a, c) = (t[h + q / 2], t[h + 2 + q / 2]);
+        if q % 2 == 0 {
+            _mm256_unpacklo_epi64(a, c)
+        } else {
+            _mm256_unpackhi_epi64(a, c)
+        }
+    });
+    for j in 0..4 {
+        // SAFETY: within the eight registers, per the contract.
+        unsafe {
+            out.add(j)
+                .write(_mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]));
+            out.add(4 + j)
+                .write(_mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]));
+        }
+    }
+}
+
+/// A block's 32 values in element order: unsigned bytes, offset included (Q8_0: signed).
 ///
 /// # Safety
 /// `x` points at a block of the type; the CPU has AVX2.
@@ -173,10 +267,10 @@ unsafe fn pack<const KIND: u8>(w: *const u8, rb: usize, blocks: usize, dst: *mut
 unsafe fn values<const KIND: u8>(x: *const u8) -> __m256i {
     // SAFETY: per the contract.
     unsafe {
-        if KIND == Q5 {
-            super::avx2::legacy_values::<{ super::avx2::Q5 }>(x)
-        } else {
-            super::avx2::legacy_values::<{ super::avx2::Q4 }>(x)
+        match KIND {
+            Q5 => super::avx2::legacy_values::<{ super::avx2::Q5 }>(x),
+            Q8 => _mm256_loadu_si256(x.add(2).cast()),
+            _ => super::avx2::legacy_values::<{ super::avx2::Q4 }>(x),
         }
     }
 }
@@ -206,7 +300,7 @@ unsafe fn block_sums<const KIND: u8>(a: *const u8, sums: &mut [i32]) {
 /// `p` points at `blocks` packed blocks, each of `a` at `blocks` Q8_0 blocks and each of `s`
 /// at `blocks` sums; the CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_fn<const T: usize>(
+unsafe fn tile_fn<const KIND: u8, const T: usize>(
     p: *const __m256i,
     blocks: usize,
     a: [*const u8; TILE_TOKENS],
@@ -218,30 +312,161 @@ unsafe fn tile_fn<const T: usize>(
     for b in 0..blocks {
         // SAFETY: packed block b and block b of each token, per the contract.
         unsafe {
-            let p = p.add(b * PACKED_BLOCK / 32);
+            let p = p.add(b * packed_block(KIND));
             let y: [*const u8; T] = std::array::from_fn(|t| a[t].add(b * Q8_0_BLOCK));
-            // Two halves of four registers, whose 16-bit sums stay in range for both types.
+            // Two sums of registers whose 16-bit sums stay in range: Q8_0's planes, the other
+            // types' halves.
             let mut lo = [_mm256_setzero_si256(); T];
             let mut hi = [_mm256_setzero_si256(); T];
-            for j in 0..8 {
+            for j in 0..registers(KIND) {
                 let wj = p.add(j).read();
+                let word = 2 + 4 * (j % 8);
                 for t in 0..T {
-                    let aj = _mm256_set1_epi32(y[t].add(2 + 4 * j).cast::<i32>().read_unaligned());
+                    let aj = _mm256_set1_epi32(y[t].add(word).cast::<i32>().read_unaligned());
                     let prod = _mm256_maddubs_epi16(wj, aj);
-                    if j >= 4 {
+                    if (KIND == Q8 && j >= 8) || (KIND != Q8 && j >= 4) {
                         hi[t] = _mm256_add_epi16(hi[t], prod);
                     } else {
                         lo[t] = _mm256_add_epi16(lo[t], prod);
                     }
                 }
             }
-            let dw = _mm256_loadu_ps(p.add(8).cast());
+            let dw = _mm256_loadu_ps(p.add(registers(KIND)).cast());
             for t in 0..T {
-                let mut sum = _mm256_madd_epi16(lo[t], ones);
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi[t], ones));
+                let mut high = _mm256_madd_epi16(hi[t], ones);
+                if KIND == Q8 {
+                    high = _mm256_slli_epi32::<4>(high);
+                }
+                let sum = _mm256_add_epi32(_mm256_madd_epi16(lo[t], ones), high);
                 let sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(s[t].add(b).read()));
                 let dd = _mm256_mul_ps(dw, _mm256_set1_ps(fp16_at(y[t])));
                 acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sum), acc[t]);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: eight f32 into eight.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
+/// Repacks eight Q4_K rows into `supers` packed blocks at `dst`.
+///
+/// # Safety
+/// Each of `w` points at a row of `supers` Q4_K blocks, `dst` at room for `supers` packed
+/// blocks; the CPU has AVX2 and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_q4_k(w: [*const u8; ROWS], supers: usize, dst: *mut __m256i) {
+    let (block, _) = layout(Q4K);
+    for b in 0..supers {
+        // SAFETY: block b of the eight rows, packed block b of `dst`, per the contract.
+        unsafe {
+            let x = w.map(|w| w.add(b * block));
+            let out = dst.add(b * packed_block(Q4K));
+            for p in 0..4 {
+                let v = x.map(|x| _mm256_loadu_si256(x.add(16 + 32 * p).cast()));
+                transpose(v, out.add(8 * p));
+            }
+            let sm =
+                x.map(|x| super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read()));
+            // Per row r, 16-bit lanes 2r and 2r + 1: a sub-block's scale twice; a pair of
+            // sub-blocks' mins.
+            let scales: [[i16; 16]; 8] =
+                std::array::from_fn(|s| std::array::from_fn(|i| i16::from(sm[i / 2][s])));
+            let mins: [[i16; 16]; 4] = std::array::from_fn(|p| {
+                std::array::from_fn(|i| i16::from(sm[i / 2][8 + 2 * p + i % 2]))
+            });
+            for (i, v) in scales.iter().chain(&mins).enumerate() {
+                out.add(32 + i).cast::<[i16; 16]>().write_unaligned(*v);
+            }
+            let d: [f32; ROWS] = x.map(|x| fp16_at(x));
+            let dmin: [f32; ROWS] = x.map(|x| fp16_at(x.add(2)));
+            out.add(44).cast::<[f32; ROWS]>().write_unaligned(d);
+            out.add(45).cast::<[f32; ROWS]>().write_unaligned(dmin);
+        }
+    }
+}
+
+/// Each Q8_K block's sub-block sums (of 32 values, from its sums of 16), two to a 32-bit word
+/// as the packed mins pair them.
+///
+/// # Safety
+/// `a` points at `sums.len() / 4` Q8_K blocks.
+unsafe fn sub_block_sums(a: *const u8, sums: &mut [i32]) {
+    for (b, s) in sums.chunks_exact_mut(4).enumerate() {
+        // SAFETY: block b's sums, per the contract.
+        let bs: [i16; 16] = unsafe {
+            a.add(b * Q8_K_BLOCK + Q8_K_SUMS)
+                .cast::<[i16; 16]>()
+                .read_unaligned()
+        };
+        for (p, s) in s.iter_mut().enumerate() {
+            let lo = bs[4 * p] + bs[4 * p + 1];
+            let hi = bs[4 * p + 2] + bs[4 * p + 3];
+            *s = i32::from(lo as u16) | i32::from(hi as u16) << 16;
+        }
+    }
+}
+
+/// One group of eight packed Q4_K rows against `T` tokens (`a`, their sub-block sums `s`):
+/// per block the exact sums of scale x value x activation and of min x activation sum, each
+/// row in its lane, added times d_w * d_a and -dmin_w * d_a with two fused multiply-adds.
+///
+/// # Safety
+/// `p` points at `supers` packed blocks, each of `a` at `supers` Q8_K blocks and each of `s`
+/// at `4 * supers` sums; the CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_q4_k<const T: usize>(
+    p: *const __m256i,
+    supers: usize,
+    a: [*const u8; TILE_TOKENS],
+    s: [*const i32; TILE_TOKENS],
+    out: &mut [[f32; ROWS]; TILE_TOKENS],
+) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..supers {
+        // SAFETY: packed block b and block b of each token, per the contract.
+        unsafe {
+            let p = p.add(b * packed_block(Q4K));
+            let y: [*const u8; T] = std::array::from_fn(|t| a[t].add(b * Q8_K_BLOCK));
+            let mut sum = [_mm256_setzero_si256(); T];
+            for sb in 0..8 {
+                // Sub-block sb: the low (even) or high (odd) nibbles of pair sb / 2; eight
+                // 16-bit sums of at most 2 x 15 x 128 stay in range.
+                let mut s16 = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    let wj = p.add(8 * (sb / 2) + j).read();
+                    let v = if sb % 2 == 0 {
+                        _mm256_and_si256(wj, m4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(wj), m4)
+                    };
+                    for t in 0..T {
+                        let at = y[t].add(4 + 32 * sb + 4 * j);
+                        let aj = _mm256_set1_epi32(at.cast::<i32>().read_unaligned());
+                        s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(v, aj));
+                    }
+                }
+                let scale = p.add(32 + sb).read();
+                for t in 0..T {
+                    sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(s16[t], scale));
+                }
+            }
+            let (d, dmin) = (
+                _mm256_loadu_ps(p.add(44).cast()),
+                _mm256_loadu_ps(p.add(45).cast()),
+            );
+            for t in 0..T {
+                let mut mins = _mm256_setzero_si256();
+                for q in 0..4 {
+                    let pair = _mm256_set1_epi32(s[t].add(4 * b + q).read());
+                    mins = _mm256_add_epi32(mins, _mm256_madd_epi16(p.add(40 + q).read(), pair));
+                }
+                let yd = _mm256_set1_ps(y[t].cast::<f32>().read_unaligned());
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sum[t]), acc[t]);
+                let dm = _mm256_mul_ps(dmin, _mm256_sub_ps(_mm256_setzero_ps(), yd));
+                acc[t] = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(mins), acc[t]);
             }
         }
     }

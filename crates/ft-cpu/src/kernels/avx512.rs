@@ -101,37 +101,50 @@ pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
         tile as k, IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K,
     };
     let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
+    // The K-quants' and IQ types' tiles, and their one-token kernel where it is the faster.
+    macro_rules! k_quant {
+        ($kind:ident, one) => {
+            fns([k::<$kind, 8>, k::<$kind, 4>], Some(k::<$kind, 1>))
+        };
+        ($kind:ident) => {
+            fns([k::<$kind, 8>, k::<$kind, 4>], None)
+        };
+    }
     match (kernel.weight_type(), kernel.act_type()) {
-        (GgmlType::Q4_1, GgmlType::Q8_1) => {
-            fns([tile::<Q41, 8>, tile::<Q41, 4>], Some(tile::<Q41, 1>))
-        }
-        (GgmlType::Q5_1, GgmlType::Q8_1) => {
-            fns([tile::<Q51, 8>, tile::<Q51, 4>], Some(tile::<Q51, 1>))
-        }
+        (GgmlType::Q4_1, GgmlType::Q8_1) => Some(legacy::<Q41>()),
+        (GgmlType::Q5_1, GgmlType::Q8_1) => Some(legacy::<Q51>()),
         // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
         // 130 against 133 at 2048 x 2048; benches/README.md).
-        (GgmlType::Q2_K, GgmlType::Q8_K) => fns([k::<Q2K, 8>, k::<Q2K, 4>], None),
-        (GgmlType::IQ4_XS, GgmlType::Q8_K) => fns([k::<IQ4XS, 8>, k::<IQ4XS, 4>], None),
+        (GgmlType::Q2_K, GgmlType::Q8_K) => k_quant!(Q2K),
+        (GgmlType::IQ4_XS, GgmlType::Q8_K) => k_quant!(IQ4XS),
         // One token: ggml's IQ2_XXS row kernel is faster (0.22 against 0.24 ms at 2048 x
         // 2048): its grid lookups are the work, and four rows share none of them.
-        (GgmlType::IQ2_XXS, GgmlType::Q8_K) => fns([k::<IQ2XXS, 8>, k::<IQ2XXS, 4>], None),
-        (GgmlType::IQ3_XXS, GgmlType::Q8_K) => fns([k::<IQ3XXS, 8>, k::<IQ3XXS, 4>], None),
-        (GgmlType::IQ1_S, GgmlType::Q8_K) => fns([k::<IQ1S, 8>, k::<IQ1S, 4>], None),
-        (GgmlType::IQ2_XS, GgmlType::Q8_K) => fns([k::<IQ2XS, 8>, k::<IQ2XS, 4>], None),
-        (GgmlType::IQ3_S, GgmlType::Q8_K) => fns([k::<IQ3S, 8>, k::<IQ3S, 4>], None),
-        (GgmlType::IQ2_S, GgmlType::Q8_K) => fns([k::<IQ2S, 8>, k::<IQ2S, 4>], None),
-        (GgmlType::IQ1_M, GgmlType::Q8_K) => fns([k::<IQ1M, 8>, k::<IQ1M, 4>], None),
-        (GgmlType::Q3_K, GgmlType::Q8_K) => fns([k::<Q3K, 8>, k::<Q3K, 4>], Some(k::<Q3K, 1>)),
-        (GgmlType::Q4_K, GgmlType::Q8_K) => fns([k::<Q4K, 8>, k::<Q4K, 4>], Some(k::<Q4K, 1>)),
-        (GgmlType::Q5_K, GgmlType::Q8_K) => fns([k::<Q5K, 8>, k::<Q5K, 4>], Some(k::<Q5K, 1>)),
-        (GgmlType::Q6_K, GgmlType::Q8_K) => fns([k::<Q6K, 8>, k::<Q6K, 4>], Some(k::<Q6K, 1>)),
+        (GgmlType::IQ2_XXS, GgmlType::Q8_K) => k_quant!(IQ2XXS),
+        (GgmlType::IQ3_XXS, GgmlType::Q8_K) => k_quant!(IQ3XXS),
+        (GgmlType::IQ1_S, GgmlType::Q8_K) => k_quant!(IQ1S),
+        (GgmlType::IQ2_XS, GgmlType::Q8_K) => k_quant!(IQ2XS),
+        (GgmlType::IQ3_S, GgmlType::Q8_K) => k_quant!(IQ3S),
+        (GgmlType::IQ2_S, GgmlType::Q8_K) => k_quant!(IQ2S),
+        (GgmlType::IQ1_M, GgmlType::Q8_K) => k_quant!(IQ1M),
+        (GgmlType::Q3_K, GgmlType::Q8_K) => k_quant!(Q3K, one),
+        (GgmlType::Q4_K, GgmlType::Q8_K) => k_quant!(Q4K, one),
+        (GgmlType::Q5_K, GgmlType::Q8_K) => k_quant!(Q5K, one),
+        (GgmlType::Q6_K, GgmlType::Q8_K) => k_quant!(Q6K, one),
         _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
-        (GgmlType::Q4_0, _) => fns([tile::<Q4, 8>, tile::<Q4, 4>], Some(tile::<Q4, 1>)),
-        (GgmlType::Q5_0, _) => fns([tile::<Q5, 8>, tile::<Q5, 4>], Some(tile::<Q5, 1>)),
-        (GgmlType::Q8_0, _) => fns([tile::<Q8, 8>, tile::<Q8, 4>], Some(tile::<Q8, 1>)),
-        (GgmlType::MXFP4, _) => fns([tile::<MX, 8>, tile::<MX, 4>], Some(tile::<MX, 1>)),
-        (GgmlType::IQ4_NL, _) => fns([tile::<NL, 8>, tile::<NL, 4>], Some(tile::<NL, 1>)),
+        (GgmlType::Q4_0, _) => Some(legacy::<Q4>()),
+        (GgmlType::Q5_0, _) => Some(legacy::<Q5>()),
+        (GgmlType::Q8_0, _) => Some(legacy::<Q8>()),
+        (GgmlType::MXFP4, _) => Some(legacy::<MX>()),
+        (GgmlType::IQ4_NL, _) => Some(legacy::<NL>()),
         _ => None,
+    }
+}
+
+/// `KIND`'s legacy-block kernels: tiles of 8 and 4 tokens, and one token.
+fn legacy<const KIND: u8>() -> GroupFns {
+    GroupFns {
+        tiles: [tile::<KIND, 8>, tile::<KIND, 4>],
+        one: Some(tile::<KIND, 1>),
     }
 }
 
