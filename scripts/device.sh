@@ -198,9 +198,14 @@ run_tests() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
-    # Every test file that marks a test `gpu` (the rest would only be collected and skipped).
+    # Every test file that marks a test `gpu` (the rest would only be collected and skipped),
+    # or those FT_TESTS names.
     local files
-    mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+    if [ -n "${FT_TESTS:-}" ]; then
+        read -r -a files <<<"$FT_TESTS"
+    else
+        mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+    fi
     python3 -m pytest -m gpu -v -p no:cacheprovider --junitxml="$OUT/test-junit.xml" \
         "${files[@]}" 2>&1 | tee "$OUT/test.log"
 }

@@ -24,7 +24,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import test_server_hybrid_prefix as prefix  # noqa: E402
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.llm import LLM, PROMPT_CHUNK  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
@@ -223,20 +222,26 @@ def test_snapshot_restore_on_the_gpu(
 
 
 @pytest.fixture(scope="module")
-def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def prefix() -> Any:
+    """The server checks (they need the `openai` client: only these tests skip without it)."""
+    return pytest.importorskip("test_server_hybrid_prefix")
+
+
+@pytest.fixture(scope="module")
+def gpu_server(prefix: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = prefix.build_model(tmp_path_factory.mktemp("prefix-model"))
     log = tmp_path_factory.mktemp("server") / "stderr.txt"
     with prefix.serve(model, log, prefix.GPU_ARGS) as srv:
         yield srv
 
 
-def test_server_multi_turn_chat(gpu_server: Any) -> None:
+def test_server_multi_turn_chat(prefix: Any, gpu_server: Any) -> None:
     prefix.check_multi_turn_chat(gpu_server)
 
 
-def test_server_shared_system_prompt(gpu_server: Any) -> None:
+def test_server_shared_system_prompt(prefix: Any, gpu_server: Any) -> None:
     prefix.check_shared_system_prompt(gpu_server)
 
 
-def test_server_requests_isolated(gpu_server: Any) -> None:
+def test_server_requests_isolated(prefix: Any, gpu_server: Any) -> None:
     prefix.check_isolation(gpu_server)
