@@ -35,9 +35,11 @@ class Recorder:
     def new_cache(self, n_ctx: int, max_step: int = 0) -> Any:
         return self.model.new_cache(n_ctx, max_step=max_step)
 
-    def forward_batch(self, seqs: list[tuple[list[int], Any]], all_logits: bool = False) -> Any:
+    def forward_batch(
+        self, seqs: list[tuple[list[int], Any]], all_logits: Any = False, hidden: Any = None
+    ) -> Any:
         self.steps.append([len(tokens) for tokens, _ in seqs])
-        return self.model.forward_batch(seqs, all_logits)
+        return self.model.forward_batch(seqs, all_logits, hidden)
 
 
 def test_every_decoding_request_and_a_prompt_chunk_share_a_step(model: Path) -> None:
