@@ -226,8 +226,8 @@ class Scheduler:
     """Runs generation jobs on an engine thread with continuous batching.
 
     ``n_slots`` KV caches of ``n_ctx`` tokens each are made up front, so memory is bounded;
-    at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting``; beyond,
-    submit answers 429).
+    at most ``n_slots`` jobs run at once and the rest wait (up to ``max_waiting`` beyond the
+    slots; beyond, submit answers 429).
     ``hooks`` receive the events the metrics count. ``spec`` and ``drafter`` (a factory of
     one slot's drafter) turn on speculative decoding.
     """
@@ -310,9 +310,12 @@ class Scheduler:
                 raise RequestError(
                     "the server is shutting down", status=503, err_type="server_error"
                 )
-            if len(self._pending) >= self.max_waiting:
+            # Jobs in flight, whether the engine thread has moved them into a slot yet or not:
+            # a job just submitted counts once, as its client sees it.
+            running = sum(1 for j in self._active if not j.finished)
+            if running + len(self._pending) >= len(self.slots) + self.max_waiting:
                 raise RequestError(
-                    f"too many requests: {len(self.slots)} running and {self.max_waiting} "
+                    f"too many requests: {running} running and {len(self._pending)} "
                     "waiting; retry later",
                     status=429,
                     code="too_many_requests",
