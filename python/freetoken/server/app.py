@@ -305,20 +305,7 @@ async def start_chat_job(
         render_chat, st.tokenizer, st.cfg.chat_template, req.messages, req.tools, req.tool_choice
     )
     ids = await st.offload(st.tokenizer.encode, text, add_special=False, parse_special=True)
-    s = req.sampling
-    _check_fits(ids, st.cfg.n_ctx, "messages", s)
-    job = st.scheduler.submit(
-        GenerationRequest(
-            ids,
-            s.max_tokens,
-            s.params,
-            s.stop,
-            req.logprobs,
-            s.ignore_eos,
-            s.cache_prompt,
-            s.draft,
-        )
-    )
+    job = _submit(st, ids, "messages", req.sampling, req.logprobs)
     parser = OutputParser(
         reasoning=req.reasoning,
         start_in_reasoning=starts_in_reasoning(text),
@@ -423,23 +410,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = req.prompt
         _check_ids(ids, st.cfg.vocab_size, "prompt")
         prompt_text = await st.offload(st.tokenizer.decode, ids) if req.echo else ""
-    s = req.sampling
-    _check_fits(ids, st.cfg.n_ctx, "prompt", s)
-    job = st.scheduler.submit(
-        GenerationRequest(
-            ids,
-            s.max_tokens,
-            s.params,
-            s.stop,
-            req.logprobs,
-            s.ignore_eos,
-            s.cache_prompt,
-            s.draft,
-        )
-    )
+    job = _submit(st, ids, "prompt", req.sampling, req.logprobs)
     echo = prompt_text if req.echo else ""
     try:
-        if s.stream:
+        if req.sampling.stream:
             return await _stream_completion(request, st, job, req, echo)
         text, reason, entries = echo, "stop", []
         async for ev in job.events():
@@ -491,6 +465,18 @@ async def _stream_completion(
 
 
 # -- small endpoints -----------------------------------------------------------------------
+
+
+def _submit(
+    st: ServerState, ids: list[int], param: str, s: P.SamplingFields, logprobs: int | None
+) -> Job:
+    """Checks that the prompt fits and hands the request to the scheduler."""
+    _check_fits(ids, st.cfg.n_ctx, param, s)
+    return st.scheduler.submit(
+        GenerationRequest(
+            ids, s.max_tokens, s.params, s.stop, logprobs, s.ignore_eos, s.cache_prompt, s.draft
+        )
+    )
 
 
 def _check_fits(ids: list[int], n_ctx: int, param: str, sampling: P.SamplingFields) -> None:
