@@ -34,13 +34,6 @@ TOL = 2e-2
 K, N, SLOTS, USED = 768, 128, 6, 4
 
 
-def _gpu_ready() -> bool:
-    return torch.cuda.is_available() and gpu.available()
-
-
-needs_gpu = pytest.mark.skipif("not _gpu_ready()", reason="needs a CUDA GPU and libfreetoken_cuda")
-
-
 @functools.cache
 def _weights(qtype: str, k: int, n: int, slots: int, seed: int = 0):
     """(raw bytes per slot, dequantized float64 (slots, n, k))."""
@@ -104,7 +97,6 @@ def test_pool_nbytes_without_a_gpu():
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
 def test_expert_matmul_matches_float64(qtype: str, t: int):
@@ -124,7 +116,6 @@ def test_expert_matmul_matches_float64(qtype: str, t: int):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("t", [1, 8, 33])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
 def test_activation_rows_per_slot(qtype: str, t: int):
@@ -137,7 +128,6 @@ def test_activation_rows_per_slot(qtype: str, t: int):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("t", [1, 8, 9, 64])
 def test_the_same_experts_for_every_token(t: int):
     # Duplicate expert ids across tokens: every token routes to the same slots.
@@ -150,7 +140,6 @@ def test_the_same_experts_for_every_token(t: int):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
 def test_rows_not_a_multiple_of_the_mmq_tile(qtype: str):
     # N = 96: MMQ's bounds-checked ("fallback") tiles.
@@ -162,7 +151,6 @@ def test_rows_not_a_multiple_of_the_mmq_tile(qtype: str):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("t", [1, 33])
 def test_a_token_naming_a_slot_twice_is_rejected(t: int):
     pool, _ = _pool("Q4_0")
@@ -173,7 +161,6 @@ def test_a_token_naming_a_slot_twice_is_rejected(t: int):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_a_slot_outside_the_pool_is_rejected():
     pool, _ = _pool("Q4_0")
     ids = _ids(9)
@@ -183,7 +170,6 @@ def test_a_slot_outside_the_pool_is_rejected():
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "F32", "TQ1_0", "TQ2_0"])
 def test_a_type_without_a_kernel_is_unsupported(qtype: str):
     assert gpu.kernel_for(qtype, 1) is None
@@ -193,7 +179,6 @@ def test_a_type_without_a_kernel_is_unsupported(qtype: str):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_bad_arguments_are_refused_before_launch():
     pool, _ = _pool("Q4_0")
     with pytest.raises(ShapeError):
@@ -209,7 +194,6 @@ def test_bad_arguments_are_refused_before_launch():
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_a_side_stream_gives_the_same_result():
     pool, _ = _pool("Q5_K")
     x, ids = _x(33, K), _ids(33)
@@ -251,7 +235,6 @@ def _ref_layer(gd, ud, dd, x, ids, w, act):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("t", [1, 3, 8, 9, 64])
 @pytest.mark.parametrize(
     ("types", "act"),
@@ -276,7 +259,6 @@ def test_moe_layer_matches_float64(types, act, t: int):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_moe_layer_replays_in_a_cuda_graph():
     # The decode step is meant to be captured: no synchronization inside (check_ids=False),
     # and ggml's scratch pool gives the same addresses on every call of the same shape.

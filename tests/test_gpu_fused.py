@@ -20,12 +20,7 @@ from freetoken.errors import InvalidInputError, ShapeError  # noqa: E402
 from freetoken.models.layers import rope_cos_sin  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 EPS = 1e-6
 

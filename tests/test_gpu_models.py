@@ -31,17 +31,11 @@ torch = pytest.importorskip("torch")
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.errors import InvalidInputError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
-from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n"]
 N_GEN = 24

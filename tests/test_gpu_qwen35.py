@@ -26,18 +26,12 @@ torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.llm import LLM, PROMPT_CHUNK  # noqa: E402
-from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.recurrent_cache import HybridCache  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 from test_qwen35 import SHORT, _long_prompt  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 N_GEN = 64
 MAX_KL = 0.005

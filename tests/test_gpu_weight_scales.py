@@ -15,17 +15,11 @@ torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
-from freetoken.runtime import gpu  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 from test_weight_scales import _BASE, MODELS, PROMPT, add_scales  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 N_GEN = 32
 MAX_KL = 0.005

@@ -18,17 +18,11 @@ from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.engine.spec_options import SpecOptions  # noqa: E402
 from freetoken.errors import FileAccessError, UnsupportedError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
-from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
 from freetoken.testmodel import make_test_model  # noqa: E402
 from freetoken.testmodel.vocab import llama_tree  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and gpu.available()), reason="needs a CUDA GPU"
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 STRATEGIES = ["gpu", "offload", "hybrid", "cpu"]
 _SHAPE: dict[str, Any] = dict(
