@@ -482,12 +482,10 @@ class Qwen3(ArchSpec):
     qk_norm = True
 
 
-class Gemma3(ArchSpec):
-    """Gemma 3: GeGLU (tanh), q/k norms, sandwich norms, embedding scale, interleaved sliding
-    window and global layers. Norm weights are stored as the effective multiplier, as the
-    converter writes them (Gemma's ``1 + w``)."""
+class GemmaLayout:
+    """What Gemma 3 and 4 share: GeGLU (tanh), q/k norms, sandwich norms, embedding scale,
+    interleaved sliding-window and global layers (a window of 512: Gemma 3 270M and 1B)."""
 
-    name = "gemma3"
     default_rope_theta = 1000000.0
     default_rms_eps = 1e-6
     ffn_act = "gelu_tanh"
@@ -496,7 +494,14 @@ class Gemma3(ArchSpec):
     embed_scale = True
     always_key_length = True
     has_swa = True
-    default_sliding_window = 512  # Gemma 3 270M and 1B
+    default_sliding_window = 512
+
+
+class Gemma3(GemmaLayout, ArchSpec):
+    """Gemma 3 (:class:`GemmaLayout`). Norm weights are stored as the effective multiplier,
+    as the converter writes them (Gemma's ``1 + w``)."""
+
+    name = "gemma3"
 
     def validate(self, cfg: ModelConfig) -> None:
         """As :meth:`ArchSpec.validate`, plus llama.cpp's layer counts with special meaning."""

@@ -29,7 +29,7 @@ from dataclasses import replace
 from gguf import GGUFValueType
 
 from freetoken.errors import InvalidInputError
-from freetoken.testmodel.archs import MetaItem, ModelConfig, TensorDef, _blk
+from freetoken.testmodel.archs import GemmaLayout, MetaItem, ModelConfig, TensorDef, _blk
 from freetoken.testmodel.archs_moe import _MOE_OPTIONS, MoeArch
 
 __all__ = ["GEMMA4_ARCHS", "SHAPE_PRESETS", "SOFTCAP", "Gemma4"]
@@ -49,19 +49,10 @@ SHAPE_PRESETS: dict[str, dict[str, object]] = {
 }  # fmt: skip
 
 
-class Gemma4(MoeArch):
-    """Gemma 4 (module docstring); dense unless ``experts`` > 0."""
+class Gemma4(GemmaLayout, MoeArch):
+    """Gemma 4 (module docstring, :class:`GemmaLayout`); dense unless ``experts`` > 0."""
 
     name = "gemma4"
-    default_rope_theta = 1000000.0
-    default_rms_eps = 1e-6
-    ffn_act = "gelu_tanh"
-    qk_norm = True
-    sandwich_norm = True
-    embed_scale = True
-    always_key_length = True
-    has_swa = True
-    default_sliding_window = 512
     attn_unscaled = True
     default_experts = 0
     options = _MOE_OPTIONS | {
