@@ -24,7 +24,8 @@
 #
 # prepare: a trimmed copy of the pinned llama.cpp tree (no docs, models, tests, examples, web
 #   UI sources or unused backends: about 32 MB) and the abi3 wheel, built with the explicit GGML CPU
-#   options below (never native) so that it runs on the GPU machine too.
+#   options below (never native) so that it runs on the GPU machine too; gguf-py's and the
+#   `openai` client's wheels for the tests.
 # build:   one cmake/ninja tree in $FT_BUILD (default /tmp/ft-build) builds libfreetoken_cuda.so
 #   through cuda/CMakeLists.txt, the entry point `FREETOKEN_CUDA=1 pip install` builds it with
 #   (crates/ft-cuda/build.rs), and llama.cpp's llama-bench and llama-server (no web UI), so
@@ -60,6 +61,10 @@ SHA=$(sed -n 's/^sha256 = "\([0-9a-f]*\)"$/\1/p' python/freetoken/llama_pin.toml
 [ ${#SHA} = 64 ] || { echo "device.sh: no sha256 in python/freetoken/llama_pin.toml" >&2; exit 2; }
 # The families' vocabularies the GPU tests read besides llama-spm and qwen2.
 PACKED_VOCABS="llama-bpe qwen35 gemma-4"
+# The official client the live-server checks drive, and what it needs that the GPU machine's
+# image lacks (or holds at other versions): wheels at the versions of this checkout's .venv.
+CLIENT_PACKAGES="openai httpx2 httpcore2 truststore h11 anyio sniffio jiter pydantic \
+pydantic-core annotated-types typing-inspection typing-extensions"
 
 # Instruction sets both the dev machines and the GPU machine have.
 CPU_OPTIONS="GGML_SSE42=ON GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON \
@@ -106,6 +111,14 @@ prepare() {
         maturin build --release --out "$DEV/wheels"
     # gguf-py (pure Python) is not on the GPU machine's image.
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$DEV/wheels" gguf==0.19.0
+    local pins
+    # shellcheck disable=SC2086
+    pins=$(.venv/bin/python -c 'import importlib.metadata as m, sys
+print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $CLIENT_PACKAGES)
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$DEV/wheels/client" $pins
     du -sh "$DEV" >&2
 }
 
@@ -168,7 +181,7 @@ install_wheel() {
     local site=${1:-$FT_SITE} wheel=${2:-$(ls "$DEV"/wheels/freetoken-*.whl)}
     rm -rf "$site"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-        "$wheel" "$DEV"/wheels/gguf-*.whl
+        "$wheel" "$DEV"/wheels/gguf-*.whl "$DEV"/wheels/client/*.whl
     # The working tree's Python sources over the wheel's: a Python-only change needs no new
     # wheel (the extension module stays the wheel's). Another commit's wheel ("bare") keeps its
     # own, which match its extension module.
