@@ -26,7 +26,8 @@ from freetoken.testmodel import (
     run,
     source_tensors,
 )
-from freetoken.testmodel.vocab import llama_tree
+from freetoken.testmodel.archs import ARCHS
+from freetoken.testmodel.vocab import default_vocab, llama_tree
 from freetoken.testmodel.writer import build_config
 from gguf import GGMLQuantizationType as Q
 
@@ -773,6 +774,18 @@ def test_every_layer_matters(tmp_path: Path, spm_vocab: Path, llama_ref, arch: s
             changed = float((base.argmax(-1) != p.argmax(-1)).mean())
             assert kl > 0.05, (name, kl)
             assert changed > 0.0, (name, changed)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_architecture_has_a_default_vocabulary(arch: str) -> None:
+    """make-test-model without --vocab works for every architecture it writes: the default
+    vocabulary is a GGUF file with a tokenizer (read as test_read_vocab_matches_gguf_reader
+    checks)."""
+    try:
+        path = default_vocab(arch)
+    except FileAccessError as e:
+        pytest.skip(str(e))
+    assert read_vocab(path).n_tokens > 1000, path
 
 
 @pytest.mark.slow

@@ -48,6 +48,12 @@ DEFAULT_VOCABS: dict[str, str | None] = {
     # Qwen3-Next has the Qwen2/3 vocabulary.
     "qwen3next": "ggml-vocab-qwen2.gguf",
     "gemma4": "ggml-vocab-gemma-4.gguf",
+    # Mistral 3's tekken vocabulary is not in the tree: a large BPE one of the same kind.
+    "mistral3": "ggml-vocab-llama-bpe.gguf",
+    # Qwen3-VL and MiniMax-M2 (whose own vocabulary is not in the tree either): Qwen2/3's.
+    "qwen3vl": "ggml-vocab-qwen2.gguf",
+    "qwen3vlmoe": "ggml-vocab-qwen2.gguf",
+    "minimax-m2": "ggml-vocab-qwen2.gguf",
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
