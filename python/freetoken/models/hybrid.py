@@ -21,7 +21,6 @@ placements capture it as a CUDA graph like any other model's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -30,7 +29,6 @@ from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
 from freetoken.models.delta_net import DeltaNetLayer, DeltaNetShape
 from freetoken.models.layers import (
-    Embedding,
     Linear,
     RopeScaling,
     default_attn_scale,
@@ -156,13 +154,7 @@ class HybridTransformer(Transformer):
     ) -> None:
         meta = gguf.metadata
         arch = cfg.arch
-        nextn = meta.get(f"{arch}.nextn_predict_layers", 0)
-        if not isinstance(nextn, int) or not 0 <= nextn < cfg.n_layers:
-            raise GGUFError(f"metadata `{arch}.nextn_predict_layers` is {nextn!r}")
-        n_all = cfg.n_layers
-        cfg = replace(cfg, n_layers=n_all - nextn, swa_layers=cfg.swa_layers[: n_all - nextn])
-        self.n_nextn = nextn
-        self.cfg = cfg
+        cfg = self._trunk(meta, cfg)
         self.feat = feat
         self.moe = None
         self.mla = None
@@ -180,7 +172,7 @@ class HybridTransformer(Transformer):
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
         make_ffn = make_ffn or dense_ffn(feat)
         self.make_ffn = make_ffn
-        self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
+        self._load_ends(gguf, cfg)
         self.blocks = []
         n_rec = n_attn = 0
         for i in range(cfg.n_layers):
@@ -193,9 +185,6 @@ class HybridTransformer(Transformer):
             if progress:
                 progress(i + 1, cfg.n_layers)
         self.n_attn_layers = n_attn
-        self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
-        out_name = "output" if "output.weight" in gguf else "token_embd"
-        self.output = Linear(gguf, out_name, (cfg.vocab_size, cfg.hidden))
         self.rope_factors = None
         #: The multi-token-prediction blocks' tensors (``blk.N.*`` from the trunk's layer
         #: count on), kept in the mapped file for speculative decoding; the trunk does not

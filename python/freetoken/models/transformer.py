@@ -301,14 +301,7 @@ class Transformer:
         make_ffn: FFNFactory | None = None,
     ) -> None:
         meta = gguf.metadata
-        # Trailing multi-token-prediction blocks (GLM-4.5, DeepSeek-3) are not decoder layers.
-        nextn = _meta_int(meta, f"{cfg.arch}.nextn_predict_layers", 0)
-        #: The multi-token-prediction layers after the trunk (``models/mtp.py`` runs them).
-        self.n_nextn = nextn if 0 < nextn < cfg.n_layers else 0
-        if self.n_nextn:
-            n = cfg.n_layers - nextn
-            cfg = replace(cfg, n_layers=n, swa_layers=cfg.swa_layers[:n])
-        self.cfg = cfg
+        cfg = self._trunk(meta, cfg)
         self.feat = feat
         #: The MoE executor and counters of MoE families (set by ``load_model``).
         self.moe: MoeContext | None = None
@@ -324,7 +317,7 @@ class Transformer:
             self.attn_scale = mscale * mscale / math.sqrt(self.mla.nope + self.mla.rope)
         make_ffn = make_ffn or dense_ffn(feat)
         self.make_ffn = make_ffn
-        self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
+        self._load_ends(gguf, cfg)
         self.rope_factors = (
             load_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
             if "rope_freqs.weight" in gguf
@@ -347,6 +340,26 @@ class Transformer:
             self.blocks.append(blk)
             if progress:
                 progress(i + 1, cfg.n_layers)
+
+    def _trunk(self, meta: Mapping[str, Any], cfg: ModelConfig) -> ModelConfig:
+        """Sets ``cfg`` (the decoder layers only) and ``n_nextn``: trailing
+        multi-token-prediction blocks (GLM-4.5, DeepSeek-3, Qwen3.5) are not decoder layers."""
+        nextn = _meta_int(meta, f"{cfg.arch}.nextn_predict_layers", 0)
+        if not 0 <= nextn < cfg.n_layers:
+            raise GGUFError(
+                f"metadata `{cfg.arch}.nextn_predict_layers` is {nextn}: it must leave at least "
+                f"one of the {cfg.n_layers} layers to the decoder"
+            )
+        #: The multi-token-prediction layers after the trunk (``models/mtp.py`` runs them).
+        self.n_nextn = nextn
+        n = cfg.n_layers - nextn
+        self.cfg = replace(cfg, n_layers=n, swa_layers=cfg.swa_layers[:n])
+        return self.cfg
+
+    def _load_ends(self, gguf: GGUFFile, cfg: ModelConfig) -> None:
+        """The token embedding, the final norm and the output projection (the embedding's
+        matrix where the file has no ``output.weight``)."""
+        self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
         out_name = "output" if "output.weight" in gguf else "token_embd"
         self.output = Linear(gguf, out_name, (cfg.vocab_size, cfg.hidden))
