@@ -16,8 +16,9 @@
 //! instruction; with several activation rows each weight block is unpacked once for all of
 //! them. Other types and CPUs, and a ggml built without AVX2 (whose kernels round
 //! differently), use ggml's kernel row by row. At the AVX2 level the group kernels (`avx2`)
-//! are bit-identical too, and the products of several tokens for Q4_0, Q5_0, Q8_0 and Q4_K
-//! run as tiles over interleaved rows (`avx2_gemm`), within a derived bound of ggml's.
+//! are bit-identical too, and the products of several tokens for Q4_0, Q5_0, Q8_0, IQ4_NL,
+//! MXFP4, Q4_K, Q5_K and Q6_K run as tiles over interleaved rows (`avx2_gemm`), within a
+//! derived bound of ggml's.
 
 use crate::isa::{cpu_isa, CpuIsa};
 use freetoken_ggml::{GgmlType, Result, VecDot};
@@ -137,10 +138,14 @@ impl RowDots {
             #[cfg(not(target_arch = "x86_64"))]
             _ => None,
         };
-        // From 4 tokens (Q8_0: 8, Q4_K: 16) the tiles beat the group kernels: 16 rows of
-        // 2048, one thread, Q4_0 95 against 55 GFLOP/s at 4 tokens, 132 against 54 at 128;
-        // Q5_0 81 against 47 and 133 against 45; Q8_0 54 against 55 at 4, 64 against 55 at
-        // 8; Q4_K 100 against 104 at 8, 126 against 100 at 16, 179 against 100 at 128.
+        // From 4 tokens (Q8_0, IQ4_NL: 8; Q4_K, Q5_K, Q6_K: 16) the tiles beat the group
+        // kernels: 16 rows of 2048, one thread, Q4_0 95 against 55 GFLOP/s at 4 tokens, 132
+        // against 54 at 128; Q5_0 81 against 47 and 133 against 45; Q8_0 54 against 55 at 4,
+        // 64 against 55 at 8; Q4_K 100 against 104 at 8, 126 against 100 at 16, 179 against
+        // 100 at 128; Q5_K 85 against 85 at 8, 119 against 75 at 16, 187 against 84 at 128;
+        // Q6_K 79 against 83 at 8, 105 against 81 at 16, 157 against 85 at 128; IQ4_NL 36
+        // against 48 at 4, 56 against 52 at 8, 77 against 56 at 128; MXFP4 78 against 43 at
+        // 4, 131 against 46 at 128. IQ4_XS keeps the group kernels.
         let gemm = match level {
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 => match (kernel.weight_type(), kernel.act_type()) {
@@ -148,6 +153,10 @@ impl RowDots {
                 (GgmlType::Q5_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q5), 4)),
                 (GgmlType::Q8_0, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q8), 8)),
                 (GgmlType::Q4_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q4K), 16)),
+                (GgmlType::Q5_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q5K), 16)),
+                (GgmlType::Q6_K, GgmlType::Q8_K) => Some((avx2_gemm::gemm_fn(avx2_gemm::Q6K), 16)),
+                (GgmlType::IQ4_NL, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::NL), 8)),
+                (GgmlType::MXFP4, GgmlType::Q8_0) => Some((avx2_gemm::gemm_fn(avx2_gemm::MX), 4)),
                 _ => None,
             },
             _ => None,
@@ -480,24 +489,60 @@ mod tile_tests {
         }
     }
 
-    /// The bound `avx2_gemm` derives on its distance from ggml's row kernel, for a Q4_0, Q5_0
-    /// or Q8_0 row against a Q8_0 activation row: 2 gamma_(blocks + 3) x the sum over blocks of
-    /// |fl(d_w d_a)| x sum_i |w_i a_i|; for a Q4_K row against a Q8_K one, 2 gamma_(2 blocks +
-    /// 4) x the sum over blocks of |fl(d_w d_a)| x sum_i |scale_i w_i a_i| + |fl(dmin_w d_a)| x
-    /// sum_s min_s |sum_(i in s) a_i|; the values decoded here from the formats.
+    /// MXFP4's E8M0 scale as ggml halves it.
+    fn e8m0_half(e: u8) -> f32 {
+        f32::from_bits(if e < 2 {
+            0x0020_0000 << e
+        } else {
+            u32::from(e - 1) << 23
+        })
+    }
+
+    /// The bound `avx2_gemm` derives on its distance from ggml's row kernel: for a row of a
+    /// 32-value type against a Q8_0 activation row, 2 gamma_(blocks + 3) x the sum over blocks
+    /// of |fl(d_w d_a)| x sum_i |w_i a_i|; for Q6_K against Q8_K the same with sum_i |scale_i
+    /// q_i a_i| + 32 sum_s |scale_s bsum_s| (q_i unsigned, bsum_s the activation's 16-value
+    /// sums: ggml's lanes split both); for Q4_K and Q5_K, 2 gamma_(2 blocks + 4) x the sum
+    /// over blocks of |fl(d_w d_a)| x sum_i |scale_i w_i a_i| + |fl(dmin_w d_a)| x sum_s
+    /// min_s |sum_(i in s) a_i|; the values decoded here from the formats.
     fn gemm_bound(t: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         let scale = |p: &[u8]| fp16(u16::from_le_bytes([p[0], p[1]]));
         let gamma = |n: usize| {
             let nu = n as f64 * 2f64.powi(-24);
             nu / (1.0 - nu)
         };
-        if t == GgmlType::Q4_K {
+        if matches!(t, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) {
+            let supers = a.len() / 292;
             let mut total = 0f64;
-            for (x, y) in w.chunks_exact(144).zip(a.chunks_exact(292)) {
+            for (x, y) in w.chunks_exact(t.type_size()).zip(a.chunks_exact(292)) {
                 let yd = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                let ya = |i: usize| i32::from(y[4 + i] as i8);
+                if t == GgmlType::Q6_K {
+                    let dd = (scale(&x[208..]) as f32 * yd).abs() as f64;
+                    let sc = |i: usize| i32::from(x[192 + i / 16] as i8);
+                    let mut sum = 0i64;
+                    for i in 0..256 {
+                        let (j, k, e) = (i / 128, i % 128 / 32, i % 32);
+                        let low = x[64 * j + 32 * (k % 2) + e] >> (4 * (k / 2)) & 0xf;
+                        let high = x[128 + 32 * j + e] >> (2 * k) & 3;
+                        let q = i32::from(low | high << 4);
+                        sum += i64::from((sc(i) * q * ya(i)).abs());
+                    }
+                    for s in 0..16 {
+                        let bsum = i16::from_le_bytes([y[260 + 2 * s], y[261 + 2 * s]]);
+                        sum += 32 * i64::from((sc(16 * s) * i32::from(bsum)).abs());
+                    }
+                    total += dd * sum as f64;
+                    continue;
+                }
                 let dd = (scale(x) as f32 * yd).abs() as f64;
                 let dm = (scale(&x[2..]) as f32 * yd).abs() as f64;
                 let q = &x[4..16];
+                let (qs, fifth) = if t == GgmlType::Q5_K {
+                    (&x[48..], Some(&x[16..48]))
+                } else {
+                    (&x[16..], None)
+                };
                 for sb in 0..8 {
                     let (sc, m) = if sb < 4 {
                         (q[sb] & 63, q[sb + 4] & 63)
@@ -507,35 +552,50 @@ mod tile_tests {
                     };
                     let (mut prod, mut sum) = (0i32, 0i32);
                     for e in 0..32 {
-                        let byte = x[16 + 32 * (sb / 2) + e];
-                        let v = if sb % 2 == 0 { byte & 0xf } else { byte >> 4 };
-                        let ya = i32::from(y[4 + 32 * sb + e] as i8);
-                        prod += (i32::from(v) * ya).abs();
-                        sum += ya;
+                        let byte = qs[32 * (sb / 2) + e];
+                        let mut v = if sb % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                        if let Some(h) = fifth {
+                            v |= (h[e] >> sb & 1) << 4;
+                        }
+                        prod += (i32::from(v) * ya(32 * sb + e)).abs();
+                        sum += ya(32 * sb + e);
                     }
                     total += dd * f64::from(sc) * f64::from(prod);
                     total += dm * f64::from(m) * f64::from(sum.abs());
                 }
             }
-            return (2.0 * gamma(2 * a.len() / 292 + 4) * total) as f32;
+            let n = if t == GgmlType::Q6_K {
+                supers + 3
+            } else {
+                2 * supers + 4
+            };
+            return (2.0 * gamma(n) * total) as f32;
         }
         let wb = t.type_size();
         let blocks = a.len() / 34;
         let mut total = 0f64;
         for (x, y) in w.chunks_exact(wb).zip(a.chunks_exact(34)) {
-            let dd = (scale(x) as f32 * scale(y) as f32).abs() as f64;
+            let dw = if t == GgmlType::MXFP4 {
+                e8m0_half(x[0])
+            } else {
+                scale(x) as f32
+            };
+            let dd = (dw * scale(y) as f32).abs() as f64;
             let (qs, fifth, offset) = match t {
                 GgmlType::Q5_0 => (&x[6..22], u32::from_le_bytes([x[2], x[3], x[4], x[5]]), 16),
                 GgmlType::Q8_0 => (&x[2..34], 0, 0),
+                GgmlType::MXFP4 => (&x[1..17], 0, 0),
+                GgmlType::IQ4_NL => (&x[2..18], 0, 0),
                 _ => (&x[2..18], 0, 8),
             };
             let sum: f64 = (0..32)
                 .map(|i| {
-                    let v = if t == GgmlType::Q8_0 {
-                        i32::from(qs[i] as i8)
-                    } else {
-                        let nibble = if i < 16 { qs[i] & 0xf } else { qs[i - 16] >> 4 };
-                        i32::from(nibble) | ((fifth >> i & 1) as i32) << 4
+                    let nibble = if i < 16 { qs[i] & 0xf } else { qs[i - 16] >> 4 };
+                    let v = match t {
+                        GgmlType::Q8_0 => i32::from(qs[i] as i8),
+                        GgmlType::MXFP4 => i32::from(MXFP4_VALUES[usize::from(nibble)]),
+                        GgmlType::IQ4_NL => i32::from(IQ4_NL_VALUES[usize::from(nibble)]),
+                        _ => i32::from(nibble) | ((fifth >> i & 1) as i32) << 4,
                     };
                     f64::from(((v - offset) * i32::from(y[2 + i] as i8)).abs())
                 })
@@ -544,6 +604,12 @@ mod tile_tests {
         }
         (2.0 * gamma(blocks + 3) * total) as f32
     }
+
+    /// ggml's `kvalues_mxfp4` and `kvalues_iq4nl`, the two table types' values.
+    const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+    const IQ4_NL_VALUES: [i8; 16] = [
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    ];
 
     /// Tokens per call: one, the tiles and their neighbours, tiles with every tail, 64.
     const TOKEN_COUNTS: [usize; 11] = [1, 2, 3, 4, 7, 8, 9, 13, 19, 33, 64];
@@ -667,6 +733,32 @@ mod dispatch_tests {
                 CpuIsa::Avx512 => t != GgmlType::TQ2_0,
             };
             assert_eq!(dots.group.is_some(), fast, "{t} {level:?}");
+        }
+    }
+
+    /// The tile tests check the bound only where the tiles run, bit-identity elsewhere: say
+    /// which types take them (at 64 tokens, past every type's threshold) and that one token
+    /// never does.
+    #[test]
+    fn tiles_run_for_their_types_at_the_avx2_level() {
+        const TILED: [GgmlType; 8] = [
+            GgmlType::Q4_0,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::IQ4_NL,
+            GgmlType::MXFP4,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        for (t, level) in super::tests::GROUP_TYPES
+            .into_iter()
+            .flat_map(|t| super::tests::levels().map(move |l| (t, l)))
+        {
+            let dots = RowDots::with_isa(VecDot::new(t, 256).unwrap(), level);
+            let want = level == CpuIsa::Avx2 && TILED.contains(&t);
+            assert_eq!(dots.tiled(64), want, "{t} {level:?}");
+            assert!(!dots.tiled(1), "{t} {level:?}");
         }
     }
 }

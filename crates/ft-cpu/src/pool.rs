@@ -2,7 +2,10 @@
 //! then park, so back-to-back products of a decode step (microseconds apart) start at once
 //! instead of paying a wake-up each, and an idle pool costs nothing. How long they poll is
 //! the pool's `poll` (llama.cpp's `--poll`): on a VM a wake-up is an interrupt through the
-//! hypervisor, tens of microseconds per thread.
+//! hypervisor, tens of microseconds per thread. A job does not wait for a worker that has
+//! not joined it by the time the caller has finished the tasks: on a loaded host a worker may
+//! not get a CPU for hundreds of microseconds, and the small products of a decode step would
+//! each pay that (the caller runs whatever the workers have not claimed).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -27,6 +30,14 @@ fn spin_until(poll: Duration, ready: impl Fn() -> bool) -> bool {
             return ready();
         }
     }
+}
+
+/// [`Shared::joined`]'s closed bit.
+const CLOSED: u64 = 1 << 31;
+
+/// [`Shared::joined`] for an open job of `generation` that no worker has joined yet.
+fn open_job(generation: u64) -> u64 {
+    generation << 32
 }
 
 /// A borrowed task body whose lifetime `run` erases: `run` does not return before every
@@ -59,11 +70,14 @@ struct Shared {
     /// Bumped (under the lock) each time a job is published; workers poll it while spinning
     /// and then read `desc` without taking the lock.
     generation: AtomicU64,
-    /// The current job's `Desc`, stored before `generation` is bumped; valid until `busy`
-    /// is back to zero.
+    /// The current job's `Desc`, stored before `generation` is bumped; valid while a worker
+    /// is counted in `joined`.
     desc: AtomicPtr<Desc>,
-    /// Workers still inside the current job.
-    busy: AtomicUsize,
+    /// The current job's generation (its low 32 bits, in the high half), whether the caller
+    /// has closed it ([`CLOSED`]) and the workers inside it (the low bits). A worker counts
+    /// itself in only while the job is the one it saw published and still open; the caller
+    /// closes it once it has no task left to claim and waits for the count to be zero.
+    joined: AtomicU64,
     wake: Condvar,
     done: Condvar,
     next: AtomicUsize,
@@ -95,7 +109,7 @@ impl ThreadPool {
             }),
             generation: AtomicU64::new(0),
             desc: AtomicPtr::new(std::ptr::null_mut()),
-            busy: AtomicUsize::new(0),
+            joined: AtomicU64::new(0),
             wake: Condvar::new(),
             done: Condvar::new(),
             next: AtomicUsize::new(0),
@@ -163,8 +177,8 @@ impl ThreadPool {
             return;
         }
         let _exclusive = self.submit.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the lifetimes are erased only for the duration of this call: we wait below
-        // until `busy` is zero, after which no worker touches the job again.
+        // SAFETY: the lifetimes are erased only for the duration of this call: we close the
+        // job below and wait until no worker is inside it, after which none touches it again.
         let erase = |f: &(dyn Fn(usize) + Sync)| {
             Job(unsafe {
                 std::mem::transmute::<
@@ -184,14 +198,18 @@ impl ThreadPool {
         {
             let st = shared.state.lock().unwrap();
             shared.desc.store(&mut desc, Ordering::SeqCst);
-            shared.busy.store(self.workers.len(), Ordering::SeqCst);
-            shared.generation.fetch_add(1, Ordering::SeqCst);
+            let generation = shared.generation.load(Ordering::SeqCst) + 1;
+            shared.joined.store(open_job(generation), Ordering::SeqCst);
+            shared.generation.store(generation, Ordering::SeqCst);
             if st.sleepers > 0 {
                 shared.wake.notify_all();
             }
         }
         drain(shared, &desc);
-        let idle = || shared.busy.load(Ordering::SeqCst) == 0;
+        // Every task is claimed: workers that have not joined yet stay out, and those inside
+        // finish theirs.
+        shared.joined.fetch_or(CLOSED, Ordering::SeqCst);
+        let idle = || shared.joined.load(Ordering::SeqCst) & (CLOSED - 1) == 0;
         if !spin_until(shared.poll, idle) {
             let mut st = shared.state.lock().unwrap();
             st.caller_waits = true;
@@ -200,7 +218,7 @@ impl ThreadPool {
             }
             st.caller_waits = false;
         }
-        // No worker reads `desc` any more (each read it before leaving `busy`).
+        // No worker reads `desc` any more (each read it before leaving `joined`).
         shared.desc.store(std::ptr::null_mut(), Ordering::SeqCst);
         if shared.panicked.load(Ordering::Relaxed) {
             panic!("a thread-pool task panicked");
@@ -252,11 +270,31 @@ fn worker(shared: &Shared) {
             }
         }
         seen = shared.generation.load(Ordering::SeqCst);
-        // SAFETY: `run` stored the job's `Desc` before bumping `generation` and keeps it
-        // alive until this worker has left `busy` below.
+        // Join the job if it is still the one published and open.
+        let open = open_job(seen);
+        let mut state = shared.joined.load(Ordering::SeqCst);
+        let joined = loop {
+            if state & !(CLOSED - 1) != open {
+                break false;
+            }
+            match shared.joined.compare_exchange_weak(
+                state,
+                state + 1,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => break true,
+                Err(now) => state = now,
+            }
+        };
+        if !joined {
+            continue;
+        }
+        // SAFETY: `run` stored the job's `Desc` before publishing it and keeps it alive
+        // until no worker is counted in `joined`, as this one is until below.
         let desc = unsafe { &*shared.desc.load(Ordering::SeqCst) };
         drain(shared, desc);
-        if shared.busy.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if shared.joined.fetch_sub(1, Ordering::SeqCst) == open | CLOSED | 1 {
             // Taking the lock orders this check after the caller's check-then-wait.
             if shared.state.lock().unwrap().caller_waits {
                 shared.done.notify_one();

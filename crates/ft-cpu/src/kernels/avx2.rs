@@ -28,13 +28,13 @@ pub(super) const Q5: u8 = 1;
 const Q8: u8 = 2;
 const Q4K: u8 = 3;
 const Q6K: u8 = 4;
-const NL: u8 = 5;
-const MX: u8 = 6;
+pub(super) const NL: u8 = 5;
+pub(super) const MX: u8 = 6;
 const Q5K: u8 = 7;
 const IQ4XS: u8 = 8;
 
 /// ggml's `kvalues_mxfp4`: MXFP4's values of the 16 indices (e2m1, doubled).
-const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(super) const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Bytes of a Q8_0 block: fp16 scale, 32 signed values.
 const Q8_0_BLOCK: usize = 34;
