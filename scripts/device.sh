@@ -9,9 +9,10 @@
 #                                         bench-model if missing) against llama-bench
 #   bash scripts/device.sh bench-hybrid   on the GPU machine: --moe-strategy hybrid against
 #                                         llama-bench -ncmoe on the uniform and zipf models
-#   bash scripts/device.sh bench-qwen35   on the GPU machine: the 40-layer Qwen3.5-35B-A3B
-#                                         shape, all resident against llama-bench -ngl 99, or
-#                                         (FT_Q35_ROWS=hybrid) hybrid against -ncmoe
+#   bash scripts/device.sh bench-preset   on the GPU machine: a released model's shape
+#                                         (FT_PRESET: qwen3.5-35b-a3b, gemma-4-26b-a4b), all
+#                                         resident against llama-bench -ngl 99, or
+#                                         (FT_ROWS=hybrid) hybrid against -ncmoe
 #   bash scripts/device.sh bench-streams  on the GPU machine: 4, 16 and 32 concurrent streams
 #                                         and 4096-token prompts, freetoken serve (hybrid)
 #                                         against llama-server -ncmoe, 3 rounds in turn
@@ -37,15 +38,15 @@
 # bench-hybrid: benches/bench_hybrid.py on $FT_HYBRID_MODELS (space separated; default the
 #   uniform and zipf 48-layer models, written if missing: bench-models), configs
 #   $FT_HYBRID_CONFIGS, more bench_hybrid.py arguments in $FT_HYBRID_ARGS (--ncmoe 31 ...).
-# bench-qwen35: the Qwen3.5-35B-A3B-shaped qwen35moe (make-test-model --preset qwen3.5-35b-a3b:
-#   40 layers, 30 of them Gated DeltaNet, 256 experts top-8 and a shared expert; Q4_K experts,
-#   Q8_0 the rest, 4 layers' experts tiled; written if missing), FT_Q35_ROUTING=zipf for
-#   per-layer hot experts (default uniform). FT_Q35_ROWS=resident (default): every expert on
-#   the GPU (gpu, dense weights quant) against llama-bench -ngl 99, pp512 and tg64;
-#   FT_Q35_ROWS=hybrid: bench_hybrid.py with the expert cache at FT_Q35_FRACTION (default 0.25)
-#   of the expert bytes, configs FT_Q35_CONFIGS (hybrid, hybrid+adaptive, hybrid+profile)
-#   against -ncmoe swept at about the same VRAM, tg64 and (FT_Q35_PROMPTS, default 512,4096)
-#   prompt rates. One routing and one fraction per call.
+# bench-preset: the shape of make-test-model --preset $FT_PRESET (default qwen3.5-35b-a3b: 40
+#   layers, 30 of them Gated DeltaNet, 256 experts top-8 and a shared expert; gemma-4-26b-a4b:
+#   30 layers, 128 experts top-8 beside the dense FFN), Q4_K experts, Q8_0 the rest, 4 layers'
+#   experts tiled, written if missing; FT_ROUTING=zipf for per-layer hot experts (default
+#   uniform). FT_ROWS=resident (default): every expert on the GPU (gpu, dense weights quant)
+#   against llama-bench -ngl 99, pp512 and tg64; FT_ROWS=hybrid: bench_hybrid.py with the
+#   expert cache at FT_FRACTION (default 0.25) of the expert bytes, configs FT_PRESET_CONFIGS
+#   (hybrid, hybrid+adaptive, hybrid+profile) against -ncmoe swept at about the same VRAM, tg64
+#   and (FT_PROMPTS, default 512,4096) prompt rates. One preset, routing and fraction per call.
 # Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -297,46 +298,55 @@ bench_hybrid() {
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
-# q35_model: the bench-qwen35 model of $FT_Q35_ROUTING, written if missing; prints its path.
-q35_model() {
-    local routing=${FT_Q35_ROUTING:-uniform}
-    local out=/tmp/ft-models/qwen35moe-35b-a3b-40l-q4_k-$routing.gguf
+# preset_model: the bench-preset model of $FT_PRESET and $FT_ROUTING, written if missing;
+# prints its path.
+preset_model() {
+    local preset=${FT_PRESET:-qwen3.5-35b-a3b} routing=${FT_ROUTING:-uniform} vocab
+    case $preset in
+    qwen3.5-35b-a3b) vocab=qwen35 ;;
+    gemma-4-26b-a4b) vocab=gemma-4 ;;
+    *)
+        log "FT_PRESET=$preset: qwen3.5-35b-a3b or gemma-4-26b-a4b"
+        exit 2
+        ;;
+    esac
+    local out=/tmp/ft-models/$preset-q4_k-$routing.gguf
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
     if [ ! -f "$out" ]; then
         mkdir -p "$(dirname "$out")"
         local t0=$SECONDS
-        python3 -m freetoken make-test-model --preset qwen3.5-35b-a3b --quant q8_0,exps=q4_k \
-            --vocab "$DEV/llama.cpp/models/ggml-vocab-qwen35.gguf" --tile-experts 4 \
+        python3 -m freetoken make-test-model --preset "$preset" --quant q8_0,exps=q4_k \
+            --vocab "$DEV/llama.cpp/models/ggml-vocab-$vocab.gguf" --tile-experts 4 \
             --routing "$routing" --seed 1 -o "$out" 2>&1 | tail -5 >&2
         log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
     fi
     echo "$out"
 }
 
-bench_qwen35() {
+bench_preset() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model tag
-    model=$(q35_model)
-    tag=${FT_Q35_ROUTING:-uniform}
-    case ${FT_Q35_ROWS:-resident} in
+    model=$(preset_model)
+    tag=${FT_PRESET:-qwen3.5-35b-a3b}_${FT_ROUTING:-uniform}
+    case ${FT_ROWS:-resident} in
     resident)
         python3 benches/bench_gpu_vs_llamacpp.py -m "$model" \
             --llama-bench "$FT_BUILD/bin/llama-bench" -p 512 -n 64 -r 3 -t "$(nproc)" \
-            --configs gpu/quant --json "$OUT/bench_qwen35_resident_$tag.json" 2>&1 |
-            tee "$OUT/bench_qwen35_resident_$tag.log"
+            --configs gpu/quant --json "$OUT/bench_${tag}_resident.json" 2>&1 |
+            tee "$OUT/bench_${tag}_resident.log"
         ;;
     hybrid)
-        local fraction=${FT_Q35_FRACTION:-0.25}
+        local fraction=${FT_FRACTION:-0.25}
         python3 benches/bench_hybrid.py --model "$model" \
             --llama-bench "$FT_BUILD/bin/llama-bench" -n 64 -r 3 -t "$(nproc)" \
-            --fraction "$fraction" --prompt "${FT_Q35_PROMPTS-512,4096}" --no-handoff-cost \
-            --configs "${FT_Q35_CONFIGS:-hybrid,hybrid+adaptive,hybrid+profile}" \
-            --json "$OUT/bench_qwen35_hybrid_${tag}_$fraction.json" 2>&1 |
-            tee "$OUT/bench_qwen35_hybrid_${tag}_$fraction.log"
+            --fraction "$fraction" --prompt "${FT_PROMPTS-512,4096}" --no-handoff-cost \
+            --configs "${FT_PRESET_CONFIGS:-hybrid,hybrid+adaptive,hybrid+profile}" \
+            --json "$OUT/bench_${tag}_hybrid_$fraction.json" 2>&1 |
+            tee "$OUT/bench_${tag}_hybrid_$fraction.log"
         ;;
     *)
-        log "FT_Q35_ROWS=${FT_Q35_ROWS}: resident or hybrid"
+        log "FT_ROWS=${FT_ROWS}: resident or hybrid"
         exit 2
         ;;
     esac
@@ -418,14 +428,14 @@ for phase in "$@"; do
     bench-models) bench_models ;;
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
-    bench-qwen35) bench_qwen35 ;;
+    bench-preset) bench_preset ;;
     bench-streams) bench_streams ;;
     bench-jobs) bench_jobs ;;
     bench-jobs-ab) bench_jobs_ab ;;
     profile) profile_step ;;
     *)
         log "unknown phase $phase (prepare, prepare-alt, build, test, bench, bench-model," \
-            "bench-e2e, bench-hybrid, bench-qwen35, bench-streams, bench-jobs, bench-jobs-ab," \
+            "bench-e2e, bench-hybrid, bench-preset, bench-streams, bench-jobs, bench-jobs-ab," \
             "profile)"
         exit 2
         ;;
