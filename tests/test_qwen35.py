@@ -176,6 +176,16 @@ def test_matches_llamacpp(
 # ---- per-sequence state --------------------------------------------------------------------
 
 
+def _same_positions(ref: torch.Tensor, ours: torch.Tensor) -> None:
+    """The same positions computed in other steps (batched, reused, cut back): the CPU's
+    multi-token products round by how many rows share a weight (the AVX2 tiles against the
+    one-token kernels, for a dense step's tokens and an expert's routes alike), so the bound
+    is the teacher-forced one. A sequence that read another's state, or a prefix that ran
+    without its own, is off by a mean KL of 0.04-0.12 on these models."""
+    c = compare(ref.reshape(-1, ref.shape[-1]).numpy(), ours.reshape(-1, ours.shape[-1]).numpy())
+    assert not c.mismatches and c.mean_kl <= MAX_KL, c.describe()
+
+
 def test_batched_sequences_keep_their_own_state(model_files: dict[str, Path]) -> None:
     model = load_model(GGUFFile(model_files["qwen3next-mixed"]))
     a, b = list(range(10, 50)), list(range(300, 320))
@@ -183,21 +193,25 @@ def test_batched_sequences_keep_their_own_state(model_files: dict[str, Path]) ->
     ca, cb = model.new_cache(256), model.new_cache(256)
     both = model.forward_batch([(a, ca), (b, cb)], all_logits=True)
     for x, y in zip(alone, both, strict=True):
-        torch.testing.assert_close(x, y, atol=2e-3, rtol=1e-4)
+        _same_positions(x, y)
     # Decode steps of both in one batch, against each alone.
     da = model.forward([7], ca)
     db = model.forward_batch([([9], cb)])[0]
     ra, rb = model.new_cache(256), model.new_cache(256)
     model.forward(a, ra)
     model.forward(b, rb)
-    torch.testing.assert_close(da, model.forward([7], ra), atol=2e-3, rtol=1e-4)
-    torch.testing.assert_close(db, model.forward([9], rb), atol=2e-3, rtol=1e-4)
+    _same_positions(model.forward([7], ra), da)
+    _same_positions(model.forward([9], rb), db)
 
 
 def test_truncate_restores_a_snapshot_or_runs_again(model_files: dict[str, Path]) -> None:
     model = load_model(GGUFFile(model_files["qwen35-kquant"]))
     tokens = list(range(100, 200))
     fresh = model.forward(tokens, model.new_cache(256), all_logits=True)
+    # The same steps as after the cut back below, on a new cache: equal to the last bit.
+    steps = model.new_cache(256)
+    model.forward(tokens[:64], steps)
+    after_64 = model.forward(tokens[64:], steps, all_logits=True)
     cache = model.new_cache(256)
     assert isinstance(cache, HybridCache)
     model.forward(tokens[:64], cache)
@@ -207,12 +221,13 @@ def test_truncate_restores_a_snapshot_or_runs_again(model_files: dict[str, Path]
     # 64 and 90 ended multi-token steps: 80 is served from 64, 64 and 90 exactly.
     assert cache.truncate(80) == 64
     out = model.forward(tokens[64:], cache, all_logits=True)
-    torch.testing.assert_close(out, fresh[64:], atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(out, after_64, atol=0, rtol=0)
+    _same_positions(fresh[64:], out)
     # Before the first snapshot: the states cannot serve it, the prefix runs again.
     assert cache.truncate(40) == 0
     assert all(not s.any() for s in cache.ssm) and all(not c.any() for c in cache.conv)
     out = model.forward(tokens, cache, all_logits=True)
-    torch.testing.assert_close(out, fresh, atol=2e-3, rtol=1e-4)
+    torch.testing.assert_close(out, fresh, atol=0, rtol=0)
 
 
 def test_llm_chat_turn_reuses_prefix_like_a_fresh_run(model_files: dict[str, Path]) -> None:
@@ -222,8 +237,13 @@ def test_llm_chat_turn_reuses_prefix_like_a_fresh_run(model_files: dict[str, Pat
     llm._evaluate(first)
     second = first + list(range(500, 530))
     reused = llm._evaluate(second)
-    again = LLM(path, n_ctx=512)._evaluate(second)
-    torch.testing.assert_close(reused, again, atol=2e-3, rtol=1e-4)
+    # The turn's steps on a new cache (the prefix, then the new tokens): the same to the
+    # last bit; a fresh run of the whole turn in one step within the bound.
+    model = load_model(GGUFFile(path))
+    cache = model.new_cache(512)
+    model.forward(first, cache)
+    torch.testing.assert_close(reused, model.forward(second[100:], cache), atol=0, rtol=0)
+    _same_positions(LLM(path, n_ctx=512)._evaluate(second), reused)
 
 
 def test_states_stay_in_place_and_a_checkpoint_puts_them_back(

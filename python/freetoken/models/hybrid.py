@@ -172,7 +172,6 @@ class HybridTransformer(Transformer):
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
         make_ffn = make_ffn or dense_ffn(feat)
         self.make_ffn = make_ffn
-        self._load_ends(gguf, cfg)
         self.blocks = []
         n_rec = n_attn = 0
         for i in range(cfg.n_layers):
@@ -185,6 +184,7 @@ class HybridTransformer(Transformer):
             if progress:
                 progress(i + 1, cfg.n_layers)
         self.n_attn_layers = n_attn
+        self._load_ends(gguf, cfg)
         self.rope_factors = None
         #: The multi-token-prediction blocks' tensors (``blk.N.*`` from the trunk's layer
         #: count on), kept in the mapped file for speculative decoding; the trunk does not

@@ -317,7 +317,6 @@ class Transformer:
             self.attn_scale = mscale * mscale / math.sqrt(self.mla.nope + self.mla.rope)
         make_ffn = make_ffn or dense_ffn(feat)
         self.make_ffn = make_ffn
-        self._load_ends(gguf, cfg)
         self.rope_factors = (
             load_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
             if "rope_freqs.weight" in gguf
@@ -340,6 +339,7 @@ class Transformer:
             self.blocks.append(blk)
             if progress:
                 progress(i + 1, cfg.n_layers)
+        self._load_ends(gguf, cfg)
 
     def _trunk(self, meta: Mapping[str, Any], cfg: ModelConfig) -> ModelConfig:
         """Sets ``cfg`` (the decoder layers only) and ``n_nextn``: trailing
@@ -358,7 +358,8 @@ class Transformer:
 
     def _load_ends(self, gguf: GGUFFile, cfg: ModelConfig) -> None:
         """The token embedding, the final norm and the output projection (the embedding's
-        matrix where the file has no ``output.weight``)."""
+        matrix where the file has no ``output.weight``), after the blocks as a file orders
+        them: a missing tensor is reported in that order."""
         self.embed = Embedding(gguf, "token_embd.weight", cfg.vocab_size, cfg.hidden)
         self.output_norm = load_vector(gguf, "output_norm.weight", cfg.hidden)
         out_name = "output" if "output.weight" in gguf else "token_embd"
