@@ -111,7 +111,10 @@ def model_info(path: str) -> dict[str, Any]:
     exps = [t for name, t in f.tensors.items() if "_exps." in name]
     moe_layers = {t.name.split(".")[1] for t in exps if t.name.startswith("blk.")}
     heads = int(meta[f"{arch}.attention.head_count"])
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    # A per-layer array where layers differ (Gemma 4): their sum, at the full layers' head
+    # sizes (an upper bound where sliding layers have smaller heads).
+    kv = meta.get(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = sum(map(int, kv)) / n_layers if isinstance(kv, list) else int(kv)
     k_len = int(
         meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads)
     )
@@ -124,7 +127,7 @@ def model_info(path: str) -> dict[str, Any]:
         "n_layers": n_layers,
         "n_moe_layers": len(moe_layers),
         "expert_bytes": sum(t.nbytes for t in exps),
-        "kv_bytes_per_position": attn_layers * kv_heads * (k_len + v_len) * 4,
+        "kv_bytes_per_position": int(attn_layers * kv_heads * (k_len + v_len) * 4),
     }
 
 
