@@ -27,6 +27,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from freetoken import _core  # noqa: E402
 from live_server import API_KEY, Server, live_server  # noqa: E402
 
 N_SLOTS = 8
@@ -331,16 +332,30 @@ def test_concurrent_greedy_streams_match_solo_runs(server: Server) -> None:
     before = wide_steps()
     both = asyncio.run(together())
     assert wide_steps() > before  # the 8 streams did run in one batch
+    # The AVX-512 and ggml row kernels compute each stream's rows alone, whatever the batch:
+    # batched and solo differ in the last bits at most. The AVX2 tiles sum a row's blocks in
+    # another order than the one-token kernel, and a last-bit change can flip an activation's
+    # 8-bit rounding in the next product: measured on this model (8 prompts x 40 positions,
+    # the solo tokens forced through batched steps), the solo run's top-2 logprobs moved by up
+    # to 0.40 and the argmax changed at gaps up to 0.20. The bounds are 2.5x those; a stream
+    # that read another's state would follow another prompt's distribution.
+    tiles = _core.cpu_kernel_isa() == "avx2"
+    near_tie, moved = (0.5, 1.0) if tiles else (0.05, 0.05)
     for p, a, b in zip(PROMPTS, alone, both, strict=True):
         assert a and b, p
         ta, tb = [t for t, _ in a], [t for t, _ in b]
-        if ta == tb:
-            continue
-        # Batched and solo float sums may differ in the last bits: they may part only where
-        # the two best tokens were within 0.05 of each other.
-        i = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
-        top = a[i][1]
-        assert len(top) == 2 and top[0] - top[1] < 0.05, (p, i, ta, tb, top)
+        i = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
+        # The same prefix up to the first difference: the same top-2 logprobs within `moved`.
+        for j in range(min(len(a), len(b)) if i is None else i + 1):
+            assert max(abs(x - y) for x, y in zip(a[j][1], b[j][1], strict=True)) <= moved, (
+                p,
+                j,
+                a[j],
+                b[j],
+            )
+        if i is not None:  # they may part only where the two best tokens were near-ties
+            top = a[i][1]
+            assert len(top) == 2 and top[0] - top[1] < near_tie, (p, i, ta, tb, top)
 
 
 def test_disconnect_frees_the_slot(server: Server) -> None:
