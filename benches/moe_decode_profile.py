@@ -17,26 +17,34 @@ import time
 from collections import defaultdict
 
 import torch
+from freetoken import _core
 from freetoken.llm import LLM
 from freetoken.runtime import moe
-from freetoken.runtime.routing import route
 
 _TIMES: defaultdict[str, float] = defaultdict(float)
+_CALL, _RUN = moe.MoeFFN.__call__, moe.CpuExperts.run
 
 
 def _timed_moe(self: moe.MoeFFN, x: torch.Tensor) -> torch.Tensor:
-    """``MoeFFN.__call__`` with its two parts timed."""
+    """``MoeFFN.__call__`` timed whole (routing, experts, shared expert)."""
     t0 = time.perf_counter()
-    x = x.contiguous()
-    ids, weights = route(self.router(x), self.routing, self.selection_bias)
-    t1 = time.perf_counter()
-    out = moe.run_experts(self.executor, self.layer, x, ids, weights)
-    t2 = time.perf_counter()
-    if self.shared is not None:
-        out = out + self.shared(x)
-    _TIMES["executor"] += t2 - t1
+    out = _CALL(self, x)
     _TIMES["moe"] += time.perf_counter() - t0
-    _TIMES["bytes"] += self.layer.expert_bytes * len(torch.unique(ids))
+    return out
+
+
+def _timed_run(
+    self: moe.CpuExperts,
+    layer: _core.MoeLayer,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """``CpuExperts.run`` (the executor) timed, with the distinct experts' bytes it reads."""
+    t0 = time.perf_counter()
+    out = _RUN(self, layer, x, ids, weights)
+    _TIMES["executor"] += time.perf_counter() - t0
+    _TIMES["bytes"] += layer.expert_bytes * len(torch.unique(ids))
     return out
 
 
@@ -49,6 +57,7 @@ def main() -> int:
     args = ap.parse_args()
     llm = LLM(args.model, n_ctx=max(args.n + 1, 64), n_threads=args.threads, progress=False)
     moe.MoeFFN.__call__ = _timed_moe  # type: ignore[method-assign]
+    moe.CpuExperts.run = _timed_run  # type: ignore[method-assign]
     rng = random.Random(1)
     cache = llm.model.new_cache(max(args.n + 1, 64))
     llm.model.forward([rng.randrange(llm.vocab_size) for _ in range(64)], cache)
