@@ -552,8 +552,10 @@ def main() -> int:
         poll.stop()
     vram = {label: poll.peak.get(srv.proc.pid) for label, srv in servers.items()}
     rss = {label: info[label]["peak_rss_mib"] for label in info}
-    print(f"model {args.model}: {args.max_tokens} tokens per stream, {args.prompt_tokens}-token")
-    print(f"prompts x {args.prompt_streams}, {args.rounds} rounds, llama.cpp -t {args.threads}")
+    prompts = f"{args.prompt_tokens}-token prompts x {args.prompt_streams}"
+    print(f"model {args.model}: {args.max_tokens} tokens per stream, ", end="")
+    print(f"{prompts if args.prompt_tokens else 'no prompts'}, {args.rounds} rounds, ", end="")
+    print(f"llama.cpp -t {args.threads}")
     print(f"freetoken: {args.freetoken_args or '(defaults)'}; llama.cpp: {args.llama_args}")
     for label, err in failed.items():
         print(f"{label}: did not start: {err}")
