@@ -271,6 +271,11 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
+def cache_mib(expert_bytes: int, fraction: float) -> int:
+    """The hybrid GPU expert cache (MiB) of ``fraction`` of a model's expert bytes."""
+    return int(fraction * expert_bytes / _MIB)
+
+
 def default_ncmoe(n_layers: int, fraction: float) -> list[int]:
     """The layers whose experts llama.cpp keeps on the CPU: about the hybrid cache's share on
     the GPU, four more layers on the CPU, and all of them."""
@@ -400,35 +405,45 @@ def expert_profile(args: argparse.Namespace, model: str, row: dict[str, Any]) ->
     return path if ok else None
 
 
+def reference_within(
+    rows: list[dict[str, Any]], speed: str, budget_mib: float | None, ours: str
+) -> tuple[dict[str, Any] | None, str]:
+    """The llama.cpp row ratios are against, of ``rows`` (successful runs, each with
+    ``config``, ``peak_vram_mib`` and the figure ``speed``): the fastest within the peak VRAM
+    ``budget_mib`` of ``ours`` + 5%, else (none fits, or ``budget_mib`` None: no run of ours
+    succeeded) the lowest-VRAM row; None without rows. And why it was chosen."""
+    if not rows:
+        return None, "no llama.cpp run succeeded: no ratios"
+    lowest = min(rows, key=lambda r: r["peak_vram_mib"])
+    if budget_mib is None:
+        return (
+            lowest,
+            f"no {ours} run succeeded: the lowest-VRAM llama.cpp row ({lowest['config']})",
+        )
+    budget = budget_mib * (1 + VRAM_SLACK)
+    fit = [r for r in rows if r["peak_vram_mib"] <= budget]
+    if not fit:
+        return lowest, (
+            f"no llama.cpp row within the {ours} peak VRAM {budget_mib} MiB + 5%: "
+            f"the lowest-VRAM row ({lowest['config']}, {lowest['peak_vram_mib']} MiB)"
+        )
+    best = max(fit, key=lambda r: r[speed])
+    return best, (
+        f"llama.cpp {best['config']}: the best {speed} within the {ours} peak VRAM "
+        f"{budget_mib} MiB + 5% ({budget:.0f} MiB)"
+    )
+
+
 def pick_reference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
     """The llama.cpp row the ratios are against (None when no llama.cpp run succeeded), and
-    why it was chosen."""
+    why it was chosen: :func:`reference_within` the hybrid rows' peak VRAM."""
     llama_rows = [r for r in rows if r["engine"] == "llama.cpp" and r["tg"]]
-    if not llama_rows:
-        return None, "no llama.cpp run succeeded: no ratios"
     hybrid = [
         r["peak_vram_mib"]
         for r in rows
         if r["engine"] == "freetoken" and r["strategy"] == "hybrid" and r["tg"]
     ]
-    lowest = min(llama_rows, key=lambda r: r["peak_vram_mib"])
-    if not hybrid:
-        return (
-            lowest,
-            f"no hybrid run succeeded: the lowest-VRAM llama.cpp row ({lowest['config']})",
-        )
-    budget = max(hybrid) * (1 + VRAM_SLACK)
-    fit = [r for r in llama_rows if r["peak_vram_mib"] <= budget]
-    if not fit:
-        return lowest, (
-            f"no llama.cpp row within the hybrid peak VRAM {max(hybrid)} MiB + 5%: "
-            f"the lowest-VRAM row ({lowest['config']}, {lowest['peak_vram_mib']} MiB)"
-        )
-    best = max(fit, key=lambda r: r["tg"])
-    return best, (
-        f"llama.cpp {best['config']}: the best tg within the hybrid peak VRAM "
-        f"{max(hybrid)} MiB + 5% ({budget:.0f} MiB)"
-    )
+    return reference_within(llama_rows, "tg", max(hybrid) if hybrid else None, "hybrid")
 
 
 def _cell(v: Any, fmt: str) -> str:
@@ -638,7 +653,7 @@ def main() -> None:
             print(f"\n### {entry['label']}: cannot read the model: {entry['error']}")
             save()
             continue
-        entry["cache_mib"] = int(args.fraction * entry["expert_bytes"] / _MIB)
+        entry["cache_mib"] = cache_mib(entry["expert_bytes"], args.fraction)
         entry["ncmoe"] = ncmoe_arg or default_ncmoe(entry["n_layers"], args.fraction)
         entries.append(entry)
     for _ in range(args.rounds):

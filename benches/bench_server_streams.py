@@ -1,28 +1,37 @@
 """Aggregate decode and prompt throughput of concurrent streams: ``freetoken serve`` against
 llama.cpp's ``llama-server`` on one model, side by side in one run (hybrid against
-llama.cpp's ``--n-cpu-moe`` at the same GPU memory budget).
+llama.cpp's ``--n-cpu-moe`` at the same GPU memory budget); with the same speculative decoding
+flags given to both (``--spec-type draft-mtp --spec-synth-rates ...``), the speculative rows.
 
 Each engine's server is started once on 127.0.0.1 with as many slots as the most streams
-(``-np``; llama-server also gets an HTTP thread per stream) and warmed up with one request.
-Then ``--rounds`` rounds, each engine in turn within a round (the host drifts within a
+(``-np``; llama-server also gets an HTTP thread per stream) and warmed up with one request;
+``--ncmoe 26,28,31`` starts one llama-server per value, ``-ncmoe N`` after ``--llama-args``.
+Then ``--rounds`` rounds, each server in turn within a round (the host drifts within a
 lease):
 
 - decode, per stream count N: N streamed ``/v1/completions`` requests at once (N different
-  prompts, greedy, ``ignore_eos`` so each makes ``--max-tokens`` tokens). Aggregate decode
-  tokens/s is every token after each stream's first over the time from the first stream's
-  first token to the last stream's end (prompt processing left out, as llama-bench's tg
-  leaves it out); the per-stream rate is the mean of each stream's own;
+  prompts, greedy, ``ignore_eos`` so each makes ``--max-tokens`` tokens). A stream's tokens are
+  its ``usage.completion_tokens`` (``stream_options.include_usage``): under speculative
+  decoding one chunk can carry several. Aggregate decode tokens/s is every token after each
+  stream's first (the prompt step's, its first chunk) over the time from the first stream's
+  first chunk to the last stream's last (prompt processing left out, as llama-bench's tg
+  leaves it out); the per-stream rate is the mean of each stream's own. Where llama-server
+  sends ``timings``, its own rate (``predicted_per_second``, the mean over the streams) and its
+  drafted and accepted tokens (``draft_n``, ``draft_n_accepted``) are kept beside; FreeToken's
+  drafted and accepted tokens are its ``/metrics`` counters (``freetoken_spec_*``) over the
+  round;
 - prompts: ``--prompt-streams`` requests at once of ``--prompt-tokens`` token ids each (the
   same ids to both engines, new ones every round, prompt caching off), one token generated:
   prompt tokens/s is their tokens over the time until the last response.
 
-Rows are the median over the rounds. Beside FreeToken's rows, the step's split from its
-``/metrics`` (``freetoken_moe_fetch_*``, the split steps of more than one token in that
-round): expert MB uploaded and computed on the GPU per step and read by the CPU per step,
-and each side's milliseconds per step; and the measured milliseconds per step (the round's
-decode span over its split steps). Peak VRAM per server process (nvidia-smi, when present)
-and its peak RSS (VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every
-round.
+Rows are the median over the rounds; each ratio is against a llama.cpp server: the only one,
+or (``--ncmoe``) the fastest of the row within FreeToken's peak VRAM + 5% (bench_hybrid.py's
+rule). Beside FreeToken's rows, the step's split from its ``/metrics``
+(``freetoken_moe_fetch_*``, the split steps of more than one token in that round): expert MB
+uploaded and computed on the GPU per step and read by the CPU per step, and each side's
+milliseconds per step; and the measured milliseconds per step (the round's decode span over
+its split steps). Peak VRAM per server process (nvidia-smi, when present) and its peak RSS
+(VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every round.
 
     python3 benches/bench_server_streams.py -m MODEL.gguf --llama-server PATH \\
         --streams 4,16,32 --rounds 3 --prompt-tokens 4096 \\
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import shlex
@@ -45,9 +55,13 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_hybrid import reference_within
 
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs and",
@@ -59,11 +73,12 @@ PROMPTS = [
     "Dear hiring manager, I am writing to",
     "The train left the station at exactly",
 ]
-ENGINES = ("llama.cpp", "freetoken")
 #: Token ids the prompt rounds draw from: ordinary tokens of the model's vocabulary.
 PROMPT_IDS = range(1000, 30000)
 #: FreeToken's split counters (server/__init__.py FETCH_SERIES), per step size.
 FETCH_METRIC = re.compile(r'^freetoken_moe_fetch_(\w+)_total\{tokens="([^"]+)"\} (\S+)$')
+#: FreeToken's speculative decoding counters (server/metrics.py).
+SPEC_METRIC = re.compile(r"^freetoken_spec_(drafted|accepted)_tokens_total (\S+)$")
 
 
 def _free_port() -> int:
@@ -143,7 +158,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None
 
 
 def _body(prompt: str | list[int], n: int, stream: bool) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": n,
         "temperature": 0,
@@ -151,11 +166,37 @@ def _body(prompt: str | list[int], n: int, stream: bool) -> dict[str, Any]:
         "ignore_eos": True,
         "cache_prompt": False,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, n: int) -> list[float]:
-    """The arrival times of a streamed completion's tokens (one per content chunk)."""
-    times: list[float] = []
+@dataclass
+class Streamed:
+    """One streamed completion: when its first and last chunks with text arrived, its tokens
+    (the ``usage`` chunk's ``completion_tokens``: a chunk can carry several) and the server's
+    ``timings`` where it sends them (llama-server)."""
+
+    first: float | None = None
+    last: float | None = None
+    tokens: int | None = None
+    timings: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any], now: float) -> None:
+        """Takes in one chunk, arrived at ``now``."""
+        if any(c.get("text") for c in chunk.get("choices") or []):
+            if self.first is None:
+                self.first = now
+            self.last = now
+        if chunk.get("usage"):
+            self.tokens = int(chunk["usage"]["completion_tokens"])
+        if chunk.get("timings"):
+            self.timings = chunk["timings"]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, n: int) -> Streamed:
+    """A streamed completion, read chunk by chunk."""
+    out = Streamed()
     async with session.post(f"{url}/v1/completions", json=_body(prompt, n, True)) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -163,10 +204,38 @@ async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, n: int)
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            ch = json.loads(line[6:])
-            if any(c.get("text") for c in ch.get("choices", [])):
-                times.append(time.perf_counter())
-    return times
+            out.add(json.loads(line[6:]), time.perf_counter())
+    if out.tokens is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return out
+
+
+def tally(runs: list[Streamed]) -> dict[str, Any]:
+    """A decode round's figures from its streams: the tokens after each stream's first (the
+    prompt step's token, which its first chunk carries) over the span from the first
+    stream's first chunk to the last stream's last, the mean per-stream rate, and where the
+    server sent ``timings`` its own mean rate and the tokens drafted and accepted."""
+    spans = [
+        (s.first, s.last, s.tokens - 1)
+        for s in runs
+        if s.first is not None and s.last is not None and s.tokens
+    ]
+    decoded = sum(n for _, _, n in spans)
+    span = max(t for _, t, _ in spans) - min(t for t, _, _ in spans) if spans else 0.0
+    per_stream = [n / (t1 - t0) for t0, t1, n in spans if n and t1 > t0]
+    out: dict[str, Any] = {
+        "tokens": [s.tokens for s in runs],
+        "span_s": span,
+        "aggregate_tps": decoded / span if span > 0 else None,
+        "per_stream_tps": sum(per_stream) / len(per_stream) if per_stream else None,
+    }
+    timings = [s.timings for s in runs if s.timings]
+    if timings:
+        out["server_tps"] = statistics.mean(t["predicted_per_second"] for t in timings)
+        if any("draft_n" in t for t in timings):
+            out["drafted"] = sum(t.get("draft_n", 0) for t in timings)
+            out["accepted"] = sum(t.get("draft_n_accepted", 0) for t in timings)
+    return out
 
 
 async def _prompt(session: aiohttp.ClientSession, url: str, ids: list[int]) -> int:
@@ -185,17 +254,7 @@ async def _decode_round(url: str, streams: int, max_tokens: int) -> dict[str, An
     async with _session() as session:
         prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(streams)]
         runs = await asyncio.gather(*(_stream(session, url, p, max_tokens) for p in prompts))
-    firsts = [t[0] for t in runs if t]
-    lasts = [t[-1] for t in runs if t]
-    decoded = sum(max(len(t) - 1, 0) for t in runs)
-    span = max(lasts) - min(firsts) if firsts else 0.0
-    per_stream = [(len(t) - 1) / (t[-1] - t[0]) for t in runs if len(t) > 1 and t[-1] > t[0]]
-    return {
-        "tokens": [len(t) for t in runs],
-        "span_s": span,
-        "aggregate_tps": decoded / span if span > 0 else None,
-        "per_stream_tps": sum(per_stream) / len(per_stream) if per_stream else None,
-    }
+    return tally(list(runs))
 
 
 async def _prompt_round(url: str, prompts: list[list[int]]) -> dict[str, Any]:
@@ -206,16 +265,19 @@ async def _prompt_round(url: str, prompts: list[list[int]]) -> dict[str, Any]:
     return {"prompt_tokens": counted, "span_s": span, "prompt_tps": sum(counted) / span}
 
 
-def _fetch_counters(url: str) -> dict[str, dict[str, float]]:
-    """FreeToken's split counters by step size (empty for a server without them)."""
+def _scrape(url: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """FreeToken's split counters by step size, and its speculative decoding counters
+    (``drafted``, ``accepted``; there once it has drafted)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    out: dict[str, dict[str, float]] = {}
+    fetch: dict[str, dict[str, float]] = {}
+    spec: dict[str, float] = {}
     for line in text.splitlines():
-        m = FETCH_METRIC.match(line)
-        if m:
-            out.setdefault(m[2], {})[m[1]] = float(m[3])
-    return out
+        if m := FETCH_METRIC.match(line):
+            fetch.setdefault(m[2], {})[m[1]] = float(m[3])
+        elif m := SPEC_METRIC.match(line):
+            spec[m[1]] = float(m[2])
+    return fetch, spec
 
 
 def _split(
@@ -245,13 +307,14 @@ def _split(
 
 
 class Server:
-    """One engine's server for the whole run."""
+    """One server for the whole run: ``engine`` (``freetoken`` or ``llama.cpp``) with its
+    extra ``flags``."""
 
-    def __init__(self, engine: str, args: argparse.Namespace, slots: int) -> None:
+    def __init__(self, engine: str, flags: list[str], args: argparse.Namespace, slots: int) -> None:
         self.engine = engine
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = _server_cmd(engine, args, slots, self.port)
+        self.cmd = _server_cmd(engine, args, slots, self.port) + flags
         print(f"bench_server_streams: {' '.join(self.cmd)}", file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.stderr = ""
@@ -274,28 +337,40 @@ class Server:
 
 
 def _server_cmd(engine: str, args: argparse.Namespace, slots: int, port: int) -> list[str]:
+    """An engine's command line before its extra flags."""
     # The same KV positions for both: llama-server's -c is the total it splits over its -np
     # slots, FreeToken's the context of each slot.
     per_slot = max(args.max_tokens, args.prompt_tokens) + 64
     if engine == "freetoken":
-        cmd = [sys.executable, "-m", "freetoken", "serve", "-m", args.model, "--host"]
-        cmd += ["127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(per_slot)]
         # Its own thread count (the executor's default beside a GPU) unless the extra
         # flags say -t: llama.cpp's best -t is not FreeToken's (benches/README.md).
-        cmd += shlex.split(args.freetoken_args)
-        return cmd
+        cmd = [sys.executable, "-m", "freetoken", "serve", "-m", args.model, "--host"]
+        return [*cmd, "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(per_slot)]
     cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(slots), "-c", str(slots * per_slot), "-t", str(args.threads)]
     # An HTTP thread per stream: with fewer (its default follows the core count) llama-server
     # dropped connections at 16 streams on the H200 (ServerDisconnectedError).
-    cmd += ["--threads-http", str(slots + 2)]
-    return cmd + shlex.split(args.llama_args)
+    return [*cmd, "--threads-http", str(slots + 2)]
+
+
+def server_specs(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
+    """(engine, label, extra flags) of each server: llama-server once, or once per
+    ``--ncmoe`` value with ``-ncmoe N`` after ``--llama-args``; then freetoken serve."""
+    specs = []
+    if args.llama_server:
+        flags = shlex.split(args.llama_args)
+        if args.ncmoe:
+            for v in args.ncmoe.split(","):
+                specs.append(("llama.cpp", f"llama.cpp -ncmoe {v}", [*flags, "-ncmoe", v]))
+        else:
+            specs.append(("llama.cpp", "llama.cpp", flags))
+    return [*specs, ("freetoken", "freetoken", shlex.split(args.freetoken_args))]
 
 
 def _one_round(
     servers: dict[str, Server], args: argparse.Namespace, r: int
 ) -> list[dict[str, Any]]:
-    """Every engine in turn on every stream count, then on the prompts, once."""
+    """Every server in turn on every stream count, then on the prompts, once."""
     rows: list[dict[str, Any]] = []
     rng = random.Random(r)
     prompts = [
@@ -305,16 +380,20 @@ def _one_round(
     jobs: list[tuple[str, int]] = [("decode", int(n)) for n in args.streams.split(",")]
     jobs += [("prompt", args.prompt_streams)] if args.prompt_tokens else []
     for kind, n in jobs:
-        for engine, srv in servers.items():
-            row: dict[str, Any] = {"round": r, "kind": kind, "engine": engine, "streams": n}
+        for label, srv in servers.items():
+            row: dict[str, Any] = {"round": r, "kind": kind, "engine": srv.engine}
+            row |= {"server": label, "streams": n}
             try:
-                before = _fetch_counters(srv.url) if engine == "freetoken" else {}
+                before = _scrape(srv.url) if srv.engine == "freetoken" else None
                 if kind == "decode":
                     row |= asyncio.run(_decode_round(srv.url, n, args.max_tokens))
                 else:
                     row |= asyncio.run(_prompt_round(srv.url, prompts))
-                if engine == "freetoken":
-                    row["split"] = _split(before, _fetch_counters(srv.url), row["span_s"])
+                if before is not None:
+                    fetch, spec = _scrape(srv.url)
+                    row["split"] = _split(before[0], fetch, row["span_s"])
+                    for k, v in spec.items():
+                        row[k] = v - before[1].get(k, 0.0)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
             print(f"bench_server_streams: {json.dumps(row)[:300]}", file=sys.stderr, flush=True)
@@ -338,20 +417,61 @@ def _split_cell(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def reference(
+    group: dict[str, list[dict[str, Any]]], metric: str, vram: dict[str, Any]
+) -> str | None:
+    """The llama.cpp server a row group's ratios are against (``group``: each server's rows
+    of one kind and stream count): the only one, or the fastest (median ``metric``) within
+    FreeToken's peak VRAM + 5% (bench_hybrid.reference_within); None without a llama.cpp
+    figure, or with several and no peak VRAM to choose by."""
+    speeds = {
+        label: _median(rs, metric)
+        for label, rs in group.items()
+        if rs and rs[0]["engine"] == "llama.cpp"
+    }
+    ok = {label: v for label, v in speeds.items() if v}
+    if len(ok) <= 1:
+        return next(iter(ok), None)
+    if any(vram.get(label) is None for label in ok):
+        return None
+    ours = [
+        vram[label]
+        for label, rs in group.items()
+        if rs and rs[0]["engine"] == "freetoken" and _median(rs, metric) and vram.get(label)
+    ]
+    rows = [{"config": label, "tps": v, "peak_vram_mib": vram[label]} for label, v in ok.items()]
+    ref, _ = reference_within(rows, "tps", max(ours) if ours else None, "freetoken")
+    return ref["config"] if ref else None
+
+
+def _spec_cell(rows: list[dict[str, Any]]) -> str:
+    """Draft tokens over the rounds: drafted / accepted (the share)."""
+    drafted = sum(r.get("drafted", 0) for r in rows)
+    accepted = sum(r.get("accepted", 0) for r in rows)
+    if not drafted:
+        return "-"
+    return f"{drafted:.0f} / {accepted:.0f} ({accepted / drafted:.0%})"
+
+
 def table(rows: list[dict[str, Any]], vram: dict[str, Any], rss: dict[str, Any]) -> str:
-    """The markdown table: each (kind, streams, engine) row's median over the rounds."""
+    """The markdown table: each (kind, streams, server) row's median over the rounds, the
+    reference server marked."""
     out = [
-        "| rows | streams | engine | rounds | t/s (median) | per-stream t/s | ratio | split "
-        "per step (median) | VRAM MiB | RSS MiB |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| rows | streams | server | rounds | t/s (median) | per-stream t/s | per-stream t/s, "
+        "server's | ratio | drafted / accepted | split per step (median) | VRAM MiB | RSS MiB |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     keys = sorted({(r["kind"], r["streams"]) for r in rows}, key=lambda k: (k[0] != "decode", k))
+    labels = list(dict.fromkeys(r["server"] for r in rows))
     for kind, n in keys:
         metric = "aggregate_tps" if kind == "decode" else "prompt_tps"
-        group = {e: [r for r in rows if (r["kind"], r["streams"], r["engine"]) == (kind, n, e)]
-                 for e in ENGINES}  # fmt: skip
-        ref = _median(group["llama.cpp"], metric)
-        for engine, rs in group.items():
+        group = {
+            label: [r for r in rows if (r["kind"], r["streams"], r["server"]) == (kind, n, label)]
+            for label in labels
+        }
+        ref_label = reference(group, metric, vram)
+        ref = _median(group[ref_label], metric) if ref_label else None
+        for label, rs in group.items():
             if not rs:
                 continue
             tps = _median(rs, metric)
@@ -360,14 +480,16 @@ def table(rows: list[dict[str, Any]], vram: dict[str, Any], rss: dict[str, Any])
             cells = [
                 kind,
                 str(n),
-                engine,
+                label + (" (ref)" if label == ref_label else ""),
                 f"{len(rs) - len(fails)}/{len(rs)}",
                 f"{tps:.1f}" if tps else f"failed: {fails[0][:60] if fails else '?'}",
                 f"{_median(rs, 'per_stream_tps'):.1f}" if _median(rs, "per_stream_tps") else "-",
+                f"{_median(rs, 'server_tps'):.1f}" if _median(rs, "server_tps") else "-",
                 f"{ratio:.2f}" if ratio else "-",
+                _spec_cell(rs),
                 _split_cell(rs),
-                str(vram.get(engine) if vram.get(engine) is not None else "-"),
-                f"{rss[engine]:.0f}" if rss.get(engine) else "-",
+                str(vram.get(label) if vram.get(label) is not None else "-"),
+                f"{rss[label]:.0f}" if rss.get(label) else "-",
             ]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
@@ -394,34 +516,52 @@ def main() -> int:
     ap.add_argument(
         "--llama-args", default="-ngl 99", help="extra llama-server flags (--llama-args=...)"
     )
+    ap.add_argument(
+        "--ncmoe",
+        help="comma-separated -ncmoe values: one llama-server each, -ncmoe N after --llama-args",
+    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    engines = [e for e in ENGINES if e == "freetoken" or args.llama_server]
-    slots = max([int(n) for n in args.streams.split(",")] + [args.prompt_streams])
+    prompt_slots = [args.prompt_streams] if args.prompt_tokens else []
+    slots = max([int(n) for n in args.streams.split(",")] + prompt_slots)
     poll = Poller()
     servers: dict[str, Server] = {}
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    # A server that does not come up is left out, the others run (a GPU call is scarce).
+    failed: dict[str, str] = {}
     try:
-        for e in engines:
-            servers[e] = Server(e, args, slots)
-            servers[e].start(args.ready_timeout)
+        for engine, label, flags in server_specs(args):
+            srv = Server(engine, flags, args, slots)
+            try:
+                srv.start(args.ready_timeout)
+            except Exception as e:
+                failed[label] = f"{type(e).__name__}: {e}"
+                info[label] = srv.stop() | {"stderr": srv.stderr, "error": failed[label]}
+                msg = f"bench_server_streams: {label} failed: {failed[label]}\n{srv.stderr}"
+                print(msg, file=sys.stderr, flush=True)
+                continue
+            servers[label] = srv
         for r in range(args.rounds):
             rows += _one_round(servers, args, r)
             _save(args, {"args": vars(args), "rows": rows})  # what a timeout leaves
     finally:
-        for e, srv in servers.items():
-            info[e] = srv.stop() | {"stderr": srv.stderr}
+        for label, srv in servers.items():
+            info[label] = srv.stop() | {"stderr": srv.stderr}
         poll.stop()
-    vram = {e: poll.peak.get(s.proc.pid) for e, s in servers.items()}
-    rss = {e: info[e]["peak_rss_mib"] for e in info}
-    print(f"model {args.model}: {args.max_tokens} tokens per stream, {args.prompt_tokens}-token")
-    print(f"prompts x {args.prompt_streams}, {args.rounds} rounds, llama.cpp -t {args.threads}")
+    vram = {label: poll.peak.get(srv.proc.pid) for label, srv in servers.items()}
+    rss = {label: info[label]["peak_rss_mib"] for label in info}
+    prompts = f"{args.prompt_tokens}-token prompts x {args.prompt_streams}"
+    print(f"model {args.model}: {args.max_tokens} tokens per stream, ", end="")
+    print(f"{prompts if args.prompt_tokens else 'no prompts'}, {args.rounds} rounds, ", end="")
+    print(f"llama.cpp -t {args.threads}")
     print(f"freetoken: {args.freetoken_args or '(defaults)'}; llama.cpp: {args.llama_args}")
+    for label, err in failed.items():
+        print(f"{label}: did not start: {err}")
     print(table(rows, vram, rss))
     _save(args, {"args": vars(args), "servers": info, "vram_mib": vram, "rows": rows})
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if failed or any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

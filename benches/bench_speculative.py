@@ -3,15 +3,19 @@ against the same engine without speculation, and the cost of cutting a Gated Del
 back after a verify step (checkpoints against a recompute), in one run.
 
     python benches/bench_speculative.py -m MODEL [--spec-type draft-mtp]
-        [--rates 0.8,0.6,0.4] [-n 128] [-t 2] [-r 3] [--json FILE]
+        [--rates 0.8,0.6,0.4] [-n 128] [-t 2] [-r 3] [--device cpu]
+        [--moe-strategy hybrid --moe-cache-mib 4428] [--json FILE]
 
 Decode: ``freetoken bench -p 0 -n N`` plain and with ``--spec-type T --spec-synth-rates R``
-(``--spec-draft-n-max`` the number of rates), subprocesses one after the other, with the peak
-RSS each reports; plus ``bench``'s verify-step costs (one step of k tokens against k one-token
-steps).
+(``--spec-draft-n-max`` the number of rates), subprocesses one after the other with the same
+engine flags (``--device``, ``--moe-strategy``, ``--moe-cache-mib``, ``-t``; without ``-t``
+FreeToken picks its threads), with the peak RSS each reports and, off the CPU, the peak GPU
+memory each adds (``run_with_vram`` of bench_gpu_vs_llamacpp.py); plus ``bench``'s
+verify-step costs (one step of k tokens against k one-token steps, on the engine's device).
 
-Rewind (hybrid models only): after a 64-token prompt, a verify step of k tokens of which the
-first j are kept, then the cut back to them:
+Rewind (hybrid models, ``--device cpu`` only: it loads the model into this process on the
+CPU): after a 64-token prompt, a verify step of k tokens of which the first j are kept, then
+the cut back to them:
 
 - checkpoints: the step runs with ``keep_steps`` (the recurrence token by token, each token's
   state kept) and :meth:`HybridCache.rewind` copies the kept one back;
@@ -32,15 +36,33 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu_vs_llamacpp import run_with_vram
 
-def _bench(model: str, n: int, t: int, r: int, extra: list[str]) -> dict[str, Any]:
-    """``freetoken bench``'s JSON (its peak RSS is the process's own)."""
-    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", model, "-p", "0"]
-    cmd += ["-n", str(n), "-t", str(t), "-r", str(r), "-o", "json", "--device", "cpu", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}: {proc.stderr[-500:]}")
-    res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """``freetoken bench``'s JSON (its peak RSS is the process's own), with the peak GPU
+    memory it added as ``peak_vram_mib`` (None on the CPU)."""
+    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", args.model, "-p", "0"]
+    cmd += ["-n", str(args.n), "-r", str(args.r), "-o", "json", "--device", args.device]
+    if args.threads is not None:
+        cmd += ["-t", str(args.threads)]
+    if args.moe_strategy is not None:
+        cmd += ["--moe-strategy", args.moe_strategy]
+    if args.moe_cache_mib is not None:
+        cmd += ["--moe-cache-mib", str(args.moe_cache_mib)]
+    cmd += extra
+    print(f"bench_speculative: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    vram = None
+    if args.device == "cpu":
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}: {proc.stderr[-500:]}")
+        out = proc.stdout
+    else:
+        out, vram = run_with_vram(cmd)
+    res: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    res["peak_vram_mib"] = vram
     return res
 
 
@@ -103,33 +125,46 @@ def rewind_costs(model_path: str, k_max: int, reps: int) -> list[dict[str, Any]]
     return rows
 
 
+def _mib(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--spec-type", default="draft-mtp")
     ap.add_argument("--rates", default="0.8,0.6,0.4")
     ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("-t", type=int, default=2)
+    ap.add_argument("-t", "--threads", type=int, help="FreeToken's threads (default: its own)")
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="freetoken bench --device")
+    ap.add_argument("--moe-strategy", help="freetoken bench --moe-strategy")
+    ap.add_argument("--moe-cache-mib", type=int, help="freetoken bench --moe-cache-mib")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     n_max = len(args.rates.split(","))
     spec = ["--spec-type", args.spec_type, "--spec-draft-n-max", str(n_max)]
     spec += ["--spec-synth-rates", args.rates]
-    plain = _bench(args.model, args.n, args.t, args.r, [])
-    fast = _bench(args.model, args.n, args.t, args.r, spec)
-    rewind = rewind_costs(args.model, n_max + 1, args.r)
+    plain = _bench(args, [])
+    fast = _bench(args, spec)
+    rewind = rewind_costs(args.model, n_max + 1, args.r) if args.device == "cpu" else []
     name = os.path.basename(args.model)
-    print(f"model {name}, {args.t} threads, tg{args.n}, {args.r} reps, rates {args.rates}\n")
-    print("| | decode t/s | peak RSS MiB |")
-    print("| --- | ---: | ---: |")
-    print(f"| no speculation | {plain['decode_tokens_per_s']:.2f} | {plain['peak_rss_mib']} |")
-    print(f"| {args.spec_type} | {fast['decode_tokens_per_s']:.2f} | {fast['peak_rss_mib']} |")
+    print(
+        f"model {name}, {fast['threads']} threads, tg{args.n}, {args.r} reps, rates "
+        f"{args.rates}; {fast['placement']}\n"
+    )
+    print("| | decode t/s | peak VRAM MiB | peak RSS MiB |")
+    print("| --- | ---: | ---: | ---: |")
+    for label, res in (("no speculation", plain), (args.spec_type, fast)):
+        print(
+            f"| {label} | {res['decode_tokens_per_s']:.2f} | {_mib(res['peak_vram_mib'])} | "
+            f"{_mib(res['peak_rss_mib'])} |"
+        )
     ratio = fast["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     sp = fast["spec"]
     print(
         f"\nratio {ratio:.2f}x; {sp['drafted']} drafted, {sp['accepted']} accepted "
-        f"({100 * sp['acceptance']:.1f}%)\n"
+        f"({100 * sp['acceptance']:.1f}%); verify steps by tokens {sp['verify_steps']}\n"
     )
     print("| step tokens | ms | vs as many one-token steps |")
     print("| ---: | ---: | ---: |")
@@ -146,7 +181,8 @@ def main() -> int:
             )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"plain": plain, "spec": fast, "rewind": rewind}, f, indent=1)
+            doc = {"args": vars(args), "plain": plain, "spec": fast, "rewind": rewind}
+            json.dump(doc, f, indent=1)
     return 0
 
 

@@ -15,7 +15,11 @@
 #                                         (FT_ROWS=hybrid) hybrid against -ncmoe
 #   bash scripts/device.sh bench-streams  on the GPU machine: 4, 16 and 32 concurrent streams
 #                                         and 4096-token prompts, freetoken serve (hybrid)
-#                                         against llama-server -ncmoe, 3 rounds in turn
+#                                         against llama-server -ncmoe, 3 rounds in turn; the
+#                                         48-layer model, or FT_PRESET's
+#   bash scripts/device.sh bench-spec     on the GPU machine: speculative decoding (draft-mtp,
+#                                         synthetic acceptance) on the Qwen3.5-35B-A3B preset
+#                                         with its MTP layer, hybrid against llama-server -ncmoe
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
 #   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
@@ -47,8 +51,18 @@
 #   expert cache at FT_FRACTION (default 0.25) of the expert bytes, configs FT_PRESET_CONFIGS
 #   (hybrid, hybrid+adaptive, hybrid+profile) against -ncmoe swept at about the same VRAM, tg64
 #   and (FT_PROMPTS, default 512,4096) prompt rates. One preset, routing and fraction per call.
-# preset-model: only writes bench-preset's model (FT_PRESET, FT_ROUTING), for instance into
-#   another FT_SITE while `build` runs.
+# preset-model: only writes bench-preset's model (FT_PRESET, FT_ROUTING; FT_NEXTN=1 the one
+#   with an MTP layer, bench-spec's), for instance into another FT_SITE while `build` runs.
+# bench-streams: benches/bench_server_streams.py (see bench_streams below); with FT_PRESET set
+#   on bench-preset's model, the cache at 25% of its expert bytes and the -ncmoe of its hybrid
+#   rows' VRAM.
+# bench-spec: the preset model with FT_NEXTN (default 1) nextn layers, the cache at
+#   FT_FRACTION (0.25) of the expert bytes, rates FT_SPEC_RATES (0.8,0.6,0.4, one per draft
+#   token): benches/bench_speculative.py (freetoken bench hybrid without and with draft-mtp,
+#   the verify step's cost by tokens), then bench_server_streams.py with one stream: freetoken
+#   serve against llama-server with the same --spec-* flags at each -ncmoe of FT_SPEC_NCMOE
+#   (default: benches/moe_budget.py's sweep about the same VRAM), drafted and accepted tokens
+#   beside tokens/s, peak VRAM and RSS.
 # Each device phase fits one 10-minute call; logs and figures go to $OUT (or ./.ft-device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -300,10 +314,12 @@ bench_hybrid() {
         --json "$OUT/bench_hybrid.json" 2>&1 | tee "$OUT/bench_hybrid.log"
 }
 
-# preset_model: the bench-preset model of $FT_PRESET and $FT_ROUTING, written if missing;
+# preset_model: the bench-preset model of $FT_PRESET and $FT_ROUTING, with $FT_NEXTN (default
+# 0) multi-token-prediction layers after the trunk (their own file), written if missing;
 # prints its path.
 preset_model() {
     local preset=${FT_PRESET:-qwen3.5-35b-a3b} routing=${FT_ROUTING:-uniform} vocab
+    local nextn=${FT_NEXTN:-0}
     case $preset in
     qwen3.5-35b-a3b) vocab=qwen35 ;;
     gemma-4-26b-a4b) vocab=gemma-4 ;;
@@ -313,6 +329,7 @@ preset_model() {
         ;;
     esac
     local out=/tmp/ft-models/$preset-q4_k-$routing.gguf
+    [ "$nextn" = 0 ] || out=${out%.gguf}-nextn$nextn.gguf
     [ -d "$FT_SITE/freetoken" ] || install_wheel
     env_for_tests
     if [ ! -f "$out" ]; then
@@ -322,7 +339,8 @@ preset_model() {
         # Gemma 4 preset's is flat at this seed).
         python3 -m freetoken make-test-model --preset "$preset" --quant q8_0,exps=q4_k \
             --vocab "$DEV/llama.cpp/models/ggml-vocab-$vocab.gguf" --tile-experts 4 \
-            --routing "$routing" --seed 1 --check none -o "$out" 2>&1 | tail -5 >&2
+            --routing "$routing" --nextn-layers "$nextn" --seed 1 --check none -o "$out" 2>&1 |
+            tail -5 >&2
         log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
     fi
     echo "$out"
@@ -357,26 +375,80 @@ bench_preset() {
     esac
 }
 
+# The llama.cpp -ncmoe of the bench-preset hybrid rows (H200, 25% expert cache, uniform
+# routing; benches/README.md) whose peak VRAM was next to hybrid's: Qwen3.5-35B-A3B 27 of
+# 40 layers (8681 MiB against 8761), Gemma 4 26B-A4B 17 of 30 (9097 against 9027).
+preset_ncmoe() {
+    case ${FT_PRESET:-qwen3.5-35b-a3b} in
+    qwen3.5-35b-a3b) echo 27 ;;
+    gemma-4-26b-a4b) echo 17 ;;
+    esac
+}
+
 # Concurrent streams: freetoken serve --moe-strategy hybrid at a 25% cache against
-# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU (31: the same VRAM), each
-# server started once; FT_STREAMS (4,16,32) concurrent decode streams and FT_PROMPT_STREAMS
-# (4) prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
+# llama-server with the experts of FT_STREAMS_NCMOE layers on the CPU, each server started
+# once; on the 48-layer model (31 layers: the same VRAM; a 3888 MiB cache), or with FT_PRESET
+# set on preset_model's model (the cache 25% of its expert bytes: moe_budget.py; the layers
+# preset_ncmoe's). FT_STREAMS (4,16,32) concurrent decode streams and FT_PROMPT_STREAMS (4)
+# prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
 # median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
 # beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
 # bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    bench_model
-    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
-        python3 -m freetoken bench-bw -m "$BENCH_MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw.md"
+    local model=$BENCH_MODEL cache=3888 ncmoe=31 tag=""
+    if [ -n "${FT_PRESET:-}" ]; then
+        model=$(preset_model)
+        env_for_tests # preset_model ran in a subshell: its exports are not here
+        read -r cache _ < <(python3 benches/moe_budget.py -m "$model" --fraction 0.25)
+        ncmoe=$(preset_ncmoe)
+        tag=_${FT_PRESET}_${FT_ROUTING:-uniform}
+    else
+        bench_model
     fi
-    python3 benches/bench_server_streams.py -m "$BENCH_MODEL" \
+    if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
+        python3 -m freetoken bench-bw -m "$model" --seconds 1 2>&1 | tee "$OUT/bench_bw$tag.md"
+    fi
+    python3 benches/bench_server_streams.py -m "$model" \
         --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
         --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
         --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
-        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-3888} -b 2048 ${FT_STREAMS_ARGS:-}" \
-        "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-31} -fa off" \
-        --json "$OUT/bench_streams.json" 2>&1 | tee "$OUT/bench_streams.log"
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-$cache} -b 2048 ${FT_STREAMS_ARGS:-}" \
+        "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-$ncmoe} -fa off" \
+        --json "$OUT/bench_streams$tag.json" 2>&1 | tee "$OUT/bench_streams$tag.log"
+}
+
+# Speculative decoding on preset_model's model with FT_NEXTN (default 1) MTP layers (the
+# Qwen3.5-35B-A3B preset's; Gemma 4 has none), the expert cache at FT_FRACTION (0.25) of the
+# expert bytes, synthetic acceptance rates FT_SPEC_RATES (0.8,0.6,0.4; as many draft tokens),
+# FT_SPEC_TOKENS (128) tokens a run. First bench_speculative.py: freetoken bench hybrid
+# without and with draft-mtp (tg, peak VRAM and RSS, drafted and accepted) and the verify
+# step's time for 1 to n_max + 1 tokens on the GPU. Then bench_server_streams.py, one stream,
+# FT_SPEC_ROUNDS (3) rounds in turn: freetoken serve hybrid with draft-mtp against
+# llama-server -ngl 99 -fa off with the same speculative flags at each -ncmoe of FT_SPEC_NCMOE
+# (default bench_hybrid's sweep about the same VRAM, moe_budget.py), each engine's drafted and
+# accepted tokens beside. A failed first half does not stop the second.
+bench_spec() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    local model cache sweep n_max tag
+    model=$(FT_NEXTN=${FT_NEXTN:-1} preset_model)
+    env_for_tests # preset_model ran in a subshell: its exports are not here
+    local fraction=${FT_FRACTION:-0.25} rates=${FT_SPEC_RATES:-0.8,0.6,0.4}
+    local n=${FT_SPEC_TOKENS:-128}
+    read -r cache sweep < <(python3 benches/moe_budget.py -m "$model" --fraction "$fraction")
+    n_max=$(awk -F, '{print NF}' <<<"$rates")
+    local spec="--spec-type draft-mtp --spec-draft-n-max $n_max --spec-synth-rates $rates"
+    tag=$(basename "$model" .gguf)_$fraction
+    python3 benches/bench_speculative.py -m "$model" --device cuda --moe-strategy hybrid \
+        --moe-cache-mib "$cache" --rates "$rates" -n "$n" -r 3 \
+        --json "$OUT/bench_spec_$tag.json" 2>&1 | tee "$OUT/bench_spec_$tag.log" ||
+        log "bench_speculative.py failed (bench_spec_$tag.log)"
+    python3 benches/bench_server_streams.py -m "$model" \
+        --llama-server "$FT_BUILD/bin/llama-server" --streams 1 -n "$n" \
+        --rounds "${FT_SPEC_ROUNDS:-3}" --prompt-tokens 0 -t "$(nproc)" \
+        "--freetoken-args=--moe-strategy hybrid --moe-cache-mib $cache $spec" \
+        "--llama-args=-ngl 99 -fa off $spec" --ncmoe "${FT_SPEC_NCMOE:-$sweep}" \
+        --json "$OUT/bench_spec_server_$tag.json" 2>&1 | tee "$OUT/bench_spec_server_$tag.log"
 }
 
 # The CPU expert executor's cost per one-token job on the benchmark model, mapped and read
@@ -436,13 +508,14 @@ for phase in "$@"; do
     bench-preset) bench_preset ;;
     preset-model) preset_model >/dev/null ;;
     bench-streams) bench_streams ;;
+    bench-spec) bench_spec ;;
     bench-jobs) bench_jobs ;;
     bench-jobs-ab) bench_jobs_ab ;;
     profile) profile_step ;;
     *)
         log "unknown phase $phase (prepare, prepare-alt, build, test, bench, bench-model," \
-            "bench-e2e, bench-hybrid, bench-preset, preset-model, bench-streams, bench-jobs, bench-jobs-ab," \
-            "profile)"
+            "bench-e2e, bench-hybrid, bench-preset, preset-model, bench-streams, bench-spec," \
+            "bench-jobs, bench-jobs-ab, profile)"
         exit 2
         ;;
     esac

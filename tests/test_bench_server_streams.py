@@ -1,0 +1,123 @@
+"""benches/bench_server_streams.py's counting: a stream's tokens are its usage's (a chunk can
+carry several under speculative decoding), llama-server's timings give its own rate and draft
+counts, and the llama.cpp server a row's ratios are against is the fastest within
+FreeToken's peak VRAM + 5%."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCHES = Path(__file__).resolve().parent.parent / "benches"
+if str(BENCHES) not in sys.path:
+    sys.path.insert(0, str(BENCHES))
+
+import bench_server_streams as bss  # noqa: E402  (benches/ is not a package)
+
+
+def _text(text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"text": text, "index": 0, "finish_reason": finish}]}
+
+
+def _read(chunks: list[tuple[float, dict[str, Any]]]) -> bss.Streamed:
+    s = bss.Streamed()
+    for t, ch in chunks:
+        s.add(ch, t)
+    return s
+
+
+def test_tokens_are_the_usage_not_the_chunks() -> None:
+    # FreeToken's shape: the prompt step's token, then chunks of several accepted tokens, the
+    # finish chunk with the usage, then the usage-only chunk (empty choices).
+    usage = {"usage": {"prompt_tokens": 5, "completion_tokens": 9}}
+    s = _read(
+        [
+            (1.0, _text("a")),
+            (1.5, _text("bcd")),
+            (2.0, _text("ef")),
+            (2.5, _text("ghi", "length") | usage),
+            (2.5, {"choices": []} | usage),
+        ]
+    )
+    assert (s.first, s.last, s.tokens, s.timings) == (1.0, 2.5, 9, None)
+    row = bss.tally([s])
+    assert row["tokens"] == [9]
+    assert row["span_s"] == 1.5
+    assert row["aggregate_tps"] == 8 / 1.5  # the tokens after the first over the span
+    assert row["per_stream_tps"] == 8 / 1.5
+    assert "server_tps" not in row and "drafted" not in row
+
+
+def test_llama_server_timings_and_draft_counts() -> None:
+    # llama-server's shape: one chunk a token, then a final chunk with no text that carries
+    # the usage and its timings (draft_n only when it drafted).
+    def final(n: int, tps: float, drafted: int | None) -> dict[str, Any]:
+        timings: dict[str, Any] = {"predicted_n": n, "predicted_per_second": tps}
+        if drafted is not None:
+            timings |= {"draft_n": drafted, "draft_n_accepted": drafted // 2}
+        return _text("", "length") | {"usage": {"completion_tokens": n}, "timings": timings}
+
+    a = _read([(0.0, _text("x")), (1.0, _text("y")), (2.0, _text("z")), (2.1, final(3, 1.0, 6))])
+    b = _read([(1.0, _text("x")), (4.0, _text("y")), (4.2, final(2, 0.5, None))])
+    row = bss.tally([a, b])
+    assert row["tokens"] == [3, 2]
+    assert row["span_s"] == 4.0  # first chunk of a to the last text chunk of b
+    assert row["aggregate_tps"] == (2 + 1) / 4.0
+    assert row["per_stream_tps"] == (2 / 2.0 + 1 / 3.0) / 2
+    assert row["server_tps"] == 0.75
+    assert (row["drafted"], row["accepted"]) == (6, 3)
+
+
+def test_a_stream_without_text_counts_nothing() -> None:
+    empty = _read([(1.0, {"choices": []} | {"usage": {"completion_tokens": 0}})])
+    row = bss.tally([empty])
+    assert row["aggregate_tps"] is None and row["per_stream_tps"] is None
+
+
+def _rows(label: str, engine: str, tps: list[float]) -> list[dict[str, Any]]:
+    return [{"engine": engine, "server": label, "aggregate_tps": v} for v in tps]
+
+
+def test_reference_is_the_fastest_within_our_vram() -> None:
+    group = {
+        "llama.cpp -ncmoe 26": _rows("llama.cpp -ncmoe 26", "llama.cpp", [90, 91, 92]),
+        "llama.cpp -ncmoe 28": _rows("llama.cpp -ncmoe 28", "llama.cpp", [80, 81, 82]),
+        "llama.cpp -ncmoe 31": _rows("llama.cpp -ncmoe 31", "llama.cpp", [70, 71, 72]),
+        "freetoken": _rows("freetoken", "freetoken", [60, 61, 62]),
+    }
+    vram = {
+        "llama.cpp -ncmoe 26": 9500,
+        "llama.cpp -ncmoe 28": 9100,  # within 8800 + 5%
+        "llama.cpp -ncmoe 31": 7400,
+        "freetoken": 8800,
+    }
+    assert bss.reference(group, "aggregate_tps", vram) == "llama.cpp -ncmoe 28"
+    # None fits: the lowest-VRAM server.
+    assert bss.reference(group, "aggregate_tps", vram | {"freetoken": 5000}) == (
+        "llama.cpp -ncmoe 31"
+    )
+    # Several llama.cpp servers and no VRAM figures: nothing to choose by.
+    assert bss.reference(group, "aggregate_tps", {}) is None
+    # One llama.cpp server is the reference whatever its VRAM.
+    one = {k: v for k, v in group.items() if k in ("llama.cpp -ncmoe 26", "freetoken")}
+    assert bss.reference(one, "aggregate_tps", {}) == "llama.cpp -ncmoe 26"
+
+
+def test_one_llama_server_per_ncmoe_value() -> None:
+    args = argparse.Namespace(
+        llama_server="llama-server",
+        llama_args="-ngl 99 -fa off",
+        ncmoe="26,31",
+        freetoken_args="--moe-strategy hybrid",
+    )
+    assert bss.server_specs(args) == [
+        ("llama.cpp", "llama.cpp -ncmoe 26", ["-ngl", "99", "-fa", "off", "-ncmoe", "26"]),
+        ("llama.cpp", "llama.cpp -ncmoe 31", ["-ngl", "99", "-fa", "off", "-ncmoe", "31"]),
+        ("freetoken", "freetoken", ["--moe-strategy", "hybrid"]),
+    ]
+    args.ncmoe = None
+    assert [label for _, label, _ in bss.server_specs(args)] == ["llama.cpp", "freetoken"]
+    args.llama_server = None
+    assert [label for _, label, _ in bss.server_specs(args)] == ["freetoken"]
