@@ -368,7 +368,8 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
 
 /// ggml's scalar tail of the IQ4_NL and MXFP4 dots for block `b` (an odd last one): per row
 /// and token the block's exact integer sum times d_a * d_w, added with one fused multiply-add
-/// (ggml's `sumf += d * (sumi1 + sumi2)`, contracted when ggml is built with FMA).
+/// (ggml's `sumf += d * (sumi1 + sumi2)`, which its compiler fuses or not by its target:
+/// the tests bound the difference, `kernels::tests::tail_bound`).
 ///
 /// # Safety
 /// As [`tile`], for block `b`.
