@@ -446,7 +446,8 @@ def pick_reference(rows: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, s
     return reference_within(llama_rows, "tg", max(hybrid) if hybrid else None, "hybrid")
 
 
-def _cell(v: Any, fmt: str) -> str:
+def cell(v: Any, fmt: str) -> str:
+    """A table cell: ``v`` formatted, or "-" for a missing figure."""
     return "-" if v is None else format(v, fmt)
 
 
@@ -495,9 +496,9 @@ def print_table(entry: dict[str, Any]) -> None:
             print(f"| {name} | failed: {err} | | | | | | |")
             continue
         print(
-            f"| {name} | {_cell(r['tg'], '.2f')}{_spread(r)} | {_cell(r['ratio'], '.2f')} "
-            f"| {_cell(r['peak_vram_mib'], 'd')} | {_cell(r['peak_rss_mib'], '.0f')} "
-            f"| {_cell(r.get('hit_rate'), '.1%')} | {_cell(r.get('cpu_busy_share'), '.0%')} "
+            f"| {name} | {cell(r['tg'], '.2f')}{_spread(r)} | {cell(r['ratio'], '.2f')} "
+            f"| {cell(r['peak_vram_mib'], 'd')} | {cell(r['peak_rss_mib'], '.0f')} "
+            f"| {cell(r.get('hit_rate'), '.1%')} | {cell(r.get('cpu_busy_share'), '.0%')} "
             f"| {_step_split(r)} |"
         )
 
@@ -515,7 +516,7 @@ def print_prompt_table(entry: dict[str, Any], prompts: list[int]) -> None:
         cells = []
         for p in prompts:
             v, base = (r.get("pp") or {}).get(p), ref_pp.get(p)
-            cells += [_cell(v, ".1f"), _cell(v / base if v and base else None, ".2f")]
+            cells += [cell(v, ".1f"), cell(v / base if v and base else None, ".2f")]
         print(f"| {r['engine']} {r['config']} | " + " | ".join(cells) + " |")
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gpu_vs_llamacpp import run_with_vram
+from bench_hybrid import cell
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
@@ -125,10 +126,6 @@ def rewind_costs(model_path: str, k_max: int, reps: int) -> list[dict[str, Any]]
     return rows
 
 
-def _mib(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
@@ -157,8 +154,8 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: |")
     for label, res in (("no speculation", plain), (args.spec_type, fast)):
         print(
-            f"| {label} | {res['decode_tokens_per_s']:.2f} | {_mib(res['peak_vram_mib'])} | "
-            f"{_mib(res['peak_rss_mib'])} |"
+            f"| {label} | {res['decode_tokens_per_s']:.2f} | {cell(res['peak_vram_mib'], '.0f')} | "
+            f"{cell(res['peak_rss_mib'], '.0f')} |"
         )
     ratio = fast["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     sp = fast["spec"]

@@ -315,8 +315,9 @@ bench_hybrid() {
 }
 
 # preset_model: the bench-preset model of $FT_PRESET and $FT_ROUTING, with $FT_NEXTN (default
-# 0) multi-token-prediction layers after the trunk (their own file), written if missing;
-# prints its path.
+# 0) multi-token-prediction layers after the trunk (their own file), written if missing; its
+# path in PRESET_MODEL (set here, not printed: the test environment it exports stays in the
+# caller's shell).
 preset_model() {
     local preset=${FT_PRESET:-qwen3.5-35b-a3b} routing=${FT_ROUTING:-uniform} vocab
     local nextn=${FT_NEXTN:-0}
@@ -343,14 +344,14 @@ preset_model() {
             tail -5 >&2
         log "wrote $out ($(du -h "$out" | cut -f1)) in $((SECONDS - t0)) s"
     fi
-    echo "$out"
+    PRESET_MODEL=$out
 }
 
 bench_preset() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model tag
-    model=$(preset_model)
-    env_for_tests # preset_model ran in a subshell: its exports are not here
+    preset_model
+    model=$PRESET_MODEL
     tag=${FT_PRESET:-qwen3.5-35b-a3b}_${FT_ROUTING:-uniform}
     case ${FT_ROWS:-resident} in
     resident)
@@ -398,8 +399,8 @@ bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model=$BENCH_MODEL cache=3888 ncmoe=31 tag=""
     if [ -n "${FT_PRESET:-}" ]; then
-        model=$(preset_model)
-        env_for_tests # preset_model ran in a subshell: its exports are not here
+        preset_model
+        model=$PRESET_MODEL
         read -r cache _ < <(python3 benches/moe_budget.py -m "$model" --fraction 0.25)
         ncmoe=$(preset_ncmoe)
         tag=_${FT_PRESET}_${FT_ROUTING:-uniform}
@@ -431,8 +432,8 @@ bench_streams() {
 bench_spec() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model cache sweep n_max tag
-    model=$(FT_NEXTN=${FT_NEXTN:-1} preset_model)
-    env_for_tests # preset_model ran in a subshell: its exports are not here
+    FT_NEXTN=${FT_NEXTN:-1} preset_model
+    model=$PRESET_MODEL
     local fraction=${FT_FRACTION:-0.25} rates=${FT_SPEC_RATES:-0.8,0.6,0.4}
     local n=${FT_SPEC_TOKENS:-128}
     read -r cache sweep < <(python3 benches/moe_budget.py -m "$model" --fraction "$fraction")
@@ -506,7 +507,7 @@ for phase in "$@"; do
     bench-e2e) bench_e2e ;;
     bench-hybrid) bench_hybrid ;;
     bench-preset) bench_preset ;;
-    preset-model) preset_model >/dev/null ;;
+    preset-model) preset_model ;;
     bench-streams) bench_streams ;;
     bench-spec) bench_spec ;;
     bench-jobs) bench_jobs ;;

@@ -342,13 +342,12 @@ pub(crate) mod tests {
     /// fl(p S) is the last block's dot alone. The bound, or None where the two are the same
     /// arithmetic.
     pub(crate) fn tail_bound(kernel: &VecDot, row: &[u8], act: &[u8], result: f32) -> Option<f32> {
-        let t = kernel.weight_type();
-        let blocks = kernel.k() / 32;
-        if !matches!(t, GgmlType::IQ4_NL | GgmlType::MXFP4) || blocks.is_multiple_of(2) {
+        if !tail_may_round(kernel) {
             return None;
         }
+        let blocks = kernel.k() / 32;
         let (wb, ab) = (row.len() / blocks, act.len() / blocks);
-        let last = VecDot::new(t, 32).unwrap();
+        let last = VecDot::new(kernel.weight_type(), 32).unwrap();
         let ps = last
             .dot(&row[row.len() - wb..], &act[act.len() - ab..])
             .unwrap();
@@ -698,41 +697,40 @@ mod tile_tests {
                             kernel.dot(&w[r * rb..(r + 1) * rb], one[tok]).unwrap()
                         })
                         .collect();
-                    // The interleaved tiled kernel's rows: within the bound it states, of
-                    // each pass (and the sum's rounding).
+                    // Each pass's bound (the two passes' sum: both, and its rounding): the
+                    // interleaved tiled kernel's, the one it states; else the row kernels'
+                    // scalar tail where ggml's compiler may not fuse it; None: bit for bit.
                     let tiled = dots.tiled(n_tok);
-                    let bound = |i: usize| {
+                    let limit = |i: usize| {
                         let (tok, r) = (i / n_rows, i % n_rows);
-                        gemm_bound(t, &w[r * rb..(r + 1) * rb], one[tok])
-                    };
-                    // The row kernels' scalar tail where ggml's compiler may not fuse it.
-                    let tail = |i: usize| {
-                        let (tok, r) = (i / n_rows, i % n_rows);
-                        super::tests::tail_bound(
-                            &kernel,
-                            &w[r * rb..(r + 1) * rb],
-                            one[tok],
-                            want[i],
-                        )
+                        let row = &w[r * rb..(r + 1) * rb];
+                        if tiled {
+                            Some(gemm_bound(t, row, one[tok]))
+                        } else {
+                            super::tests::tail_bound(&kernel, row, one[tok], want[i])
+                        }
                     };
                     for (i, (v, want)) in got.iter().zip(&want).enumerate() {
                         let (tok, r) = (i / n_rows, i % n_rows);
-                        if tiled || tail(i).is_some() {
-                            let err = (v - want).abs();
-                            let b = if tiled { bound(i) } else { tail(i).unwrap() };
-                            assert!(err <= b, "{case}: token {tok} row {r}: {v} {want}");
-                        } else {
-                            assert_eq!(v.to_bits(), want.to_bits(), "{case}: token {tok} row {r}");
+                        match limit(i) {
+                            Some(b) => assert!(
+                                (v - want).abs() <= b,
+                                "{case}: token {tok} row {r}: {v} {want}"
+                            ),
+                            None => assert_eq!(
+                                v.to_bits(),
+                                want.to_bits(),
+                                "{case}: token {tok} row {r}"
+                            ),
                         }
                     }
                     for (i, v) in sum.iter().enumerate() {
                         let (tok, r) = (i / n_rows, i % n_rows);
                         let next = (tok + 1) % n_tok * n_rows + r;
                         let want_sum = want[i] + want[next];
-                        if tiled || tail(i).is_some() {
+                        if let (Some(a), Some(b)) = (limit(i), limit(next)) {
                             let err = (v - want_sum).abs();
-                            let pass = |i| if tiled { bound(i) } else { tail(i).unwrap() };
-                            let b = pass(i) + pass(next) + v.abs() * f32::EPSILON / 2.0;
+                            let b = a + b + v.abs() * f32::EPSILON / 2.0;
                             assert!(err <= b, "{case}, 2 passes: {tok} {r}: {v} {want_sum}");
                         } else {
                             let (v, w) = (v.to_bits(), want_sum.to_bits());
