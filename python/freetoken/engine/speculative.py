@@ -167,7 +167,7 @@ class MtpDrafter:
         self.cache.truncate(start)
         hidden = hidden.cpu()
         before = self.hidden[start - 1 : start] if start else torch.zeros_like(self.hidden[:1])
-        self.head.forward(tokens, torch.cat([before, hidden[:-1]]), self.cache)
+        self.head.advance(tokens, torch.cat([before, hidden[:-1]]), self.cache)
         self.hidden[start : start + len(tokens)] = hidden
 
     def rewind(self, length: int) -> None:

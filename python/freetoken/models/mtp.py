@@ -8,8 +8,10 @@ hidden size, one decoder layer of the family runs on it (full attention over its
 such pairs, then the family's feed-forward, MoE included), and ``shared_head_norm`` (else the
 output norm) and ``shared_head_head`` (else the output projection) give the logits of the
 token at ``p + 1`` and the hidden state a following draft step pairs with its token.
-``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head runs on
-the CPU (its layer's experts through the CPU executor), wherever the trunk runs."""
+``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head's layer
+runs on the CPU (its experts through the CPU executor), wherever the trunk runs; its logits
+come from the trunk's output projection where the file has no ``shared_head_head``, on the
+trunk's device: the largest matrix is neither read on the CPU per draft token nor copied."""
 
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ class MtpHead:
         name = p + "shared_head_norm.weight"
         self.head_norm = load_vector(gguf, name if name in gguf else "output_norm.weight", h)
         name = p + "shared_head_head"
-        if name + ".weight" not in gguf:
-            name = "output" if "output.weight" in gguf else "token_embd"
-        self.head = Linear(gguf, name, (v, h))
+        own = name + ".weight" in gguf
+        self.head = Linear(gguf, name, (v, h)) if own else model.output
+        self.head_device = torch.device("cpu") if own else model.device
         name = p + "embed_tokens.weight"
         self.embed = Embedding(gguf, name if name in gguf else "token_embd.weight", v, h)
         self.block = model.mtp_block(gguf, i)
@@ -64,7 +66,16 @@ class MtpHead:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs ``tokens`` (at the cache's next positions) paired with the trunk's hidden
         states of the positions before them ``hidden [T, hidden]``; returns the float32
-        logits ``[T, vocab]`` (host) and the head's hidden states ``[T, hidden]``."""
+        logits ``[T, vocab]`` (on :attr:`head_device`) and the head's hidden states
+        ``[T, hidden]`` (host)."""
+        out = self.advance(tokens, hidden, cache)
+        return self.head(out.to(self.head_device)).float(), out
+
+    @torch.inference_mode()
+    def advance(self, tokens: list[int], hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """:meth:`forward` without the logits: the head's cache takes ``tokens`` and the
+        head's hidden states ``[T, hidden]`` come back (the target's step shown to the head,
+        whose logits nobody reads)."""
         m, eps = self.model, self.model.cfg.norm_eps
         n = len(tokens)
         start = cache.reserve(n)
@@ -73,7 +84,5 @@ class MtpHead:
         x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
         step = Step(torch.arange(start, start + n), [Span(start, n, cache)])
         x = m._layer(0, self.block, x, step)
-        out = rms_norm(x, self.head_norm, eps)
-        logits = self.head(out)
         cache.commit(n)
-        return logits.float(), out
+        return rms_norm(x, self.head_norm, eps)
