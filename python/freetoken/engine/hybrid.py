@@ -281,15 +281,16 @@ class HybridExperts(OffloadExperts):
 
     # -- the step -------------------------------------------------------------------------
 
-    def begin(self, n_tokens: int) -> bool:
+    def begin(self, n_tokens: int, graph: bool = False) -> bool:
         """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream
         and whether layers fetch part of their misses, and starts the CPU thread when
-        splitting. Returns whether the step may replay a graph (not when it fetches)."""
+        splitting. ``graph``: the step replays a captured graph unless it fetches. Returns
+        whether the step may replay a graph (not when it fetches)."""
         t0 = time.perf_counter()
         self._publish_uploads()
         self.bookkeeping_s += time.perf_counter() - t0
         self.n_tokens = n_tokens
-        self.split, self.fetching = self._plan_step(n_tokens)
+        self.split, self.fetching = self._plan_step(n_tokens, graph)
         self.serving = n_tokens <= MAX_TOKENS and (self.split or bool(self.cpu_only))
         if not self.serving:
             return True
@@ -477,14 +478,17 @@ class HybridExperts(OffloadExperts):
         total = int(self.routes.sum())
         return float(self.hits.sum()) / total if total else 0.0
 
-    def _plan_step(self, n_tokens: int) -> tuple[bool, bool]:
+    def _plan_step(self, n_tokens: int, graph: bool = False) -> tuple[bool, bool]:
         """Whether a step of ``n_tokens`` splits (else the layers stream over PCIe) and
         whether its layers fetch part of their misses. Up to MAX_SLOT_TOKENS tokens a step
         splits; above, when the fetch rule on each layer's expected misses (uniform routing
         at the hit rate so far, each CPU route priced as one expert read, which over-prices
         the CPU on long prompts) expects the split to take less than streaming the layers.
         One-token steps never fetch; up to MAX_SLOT_TOKENS a forced share above 0 always
-        does (:func:`freetoken.engine.fetch.expect_step` otherwise)."""
+        does, and a step that would replay a ``graph`` does not otherwise (a fetching step
+        runs eagerly: on the H200 a 4-token verify step of the Qwen3.5-35B-A3B preset took
+        96 ms eagerly against 14 ms for a replayed one-token step, while its misses cost the
+        CPU about 25 ms); else :func:`freetoken.engine.fetch.expect_step` decides."""
         if not self.order or n_tokens > MAX_TOKENS:
             return False, False  # no slots to split over, or too long for the hand-off
         if n_tokens == 1:
@@ -492,6 +496,8 @@ class HybridExperts(OffloadExperts):
         small = n_tokens <= MAX_SLOT_TOKENS
         if small and self.fetch_share is not None:
             return True, self.fetch_share > 0
+        if small and graph:
+            return True, False
         kinds: dict[tuple[Links, int], int] = {}
         for li in self.order:
             key = (self.links[li], self.layers[li].expert_nbytes)

@@ -29,7 +29,7 @@ from freetoken.models.layers import (
     rotate,
 )
 from freetoken.runtime import gpu
-from freetoken.runtime.cuda_graph import MAX_BATCH, GraphDecoder
+from freetoken.runtime.cuda_graph import MAX_BATCH, MAX_SPAN, GraphDecoder
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.moe import MoeContext
 from freetoken.runtime.step import Span, Step
@@ -45,9 +45,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class StepHook(Protocol):
     """Work around each forward step (see ``Transformer.step_hook``)."""
 
-    def begin(self, n_tokens: int) -> bool:
-        """Before a step of ``n_tokens``; returns whether the step may replay a captured
-        graph (False: it reads back to the host)."""
+    def begin(self, n_tokens: int, graph: bool = False) -> bool:
+        """Before a step of ``n_tokens`` (``graph``: one a captured graph can replay);
+        returns whether the step may replay a captured graph (False: it reads back to the
+        host)."""
         ...
 
     def end(self) -> None: ...
@@ -451,38 +452,67 @@ class Transformer:
             spans.append(Span(cache.reserve(len(tokens)), len(tokens), cache))
         flat = [t for tokens, _ in seqs for t in tokens]
         ids = self.embed.lookup(flat)
+        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
+        graph = self._graphable(spans, every)
         hook = self.step_hook
-        capturable = hook.begin(len(flat)) if hook is not None else True
+        capturable = hook.begin(len(flat), graph) if hook is not None else True
         try:
-            return self._logits(ids, flat, spans, all_logits, capturable, hidden)
+            if graph and capturable:
+                assert self.graphs is not None
+                rows = [tokens for tokens, _ in seqs]
+                out = self._replay(self.graphs, rows, spans, every, hidden)
+                if out is not None:
+                    return out
+            return self._logits(ids, spans, every, hidden)
         finally:
             if hook is not None:
                 hook.end()
 
+    def _graphable(self, spans: list[Span], every: list[bool]) -> bool:
+        """Whether a captured step can run these spans: decode tokens (one per sequence) and
+        verify steps (a few tokens of a cache with ``keep_steps``, every logit asked for),
+        distinct caches. Prompt chunks run eagerly."""
+        caches = {id(sp.cache) for sp in spans}
+        return (
+            self.graphs is not None
+            and len(spans) <= MAX_BATCH
+            and len(caches) == len(spans)
+            and all(
+                sp.n == 1 or (e and sp.cache.keep_steps and sp.n <= MAX_SPAN)
+                for sp, e in zip(spans, every, strict=True)
+            )
+        )
+
+    @staticmethod
+    def _replay(
+        graphs: GraphDecoder,
+        tokens: list[list[int]],
+        spans: list[Span],
+        every: list[bool],
+        hidden: list[torch.Tensor] | None,
+    ) -> list[torch.Tensor] | None:
+        """Each sequence's logits as :meth:`_logits` gives them, from a captured step (None:
+        the set is new, run it eagerly)."""
+        lengths = [sp.n for sp in spans]
+        caches = [sp.cache for sp in spans]
+        out = graphs.step(list(zip(tokens, caches, strict=True)), hidden is not None)
+        if out is None:
+            return None
+        if hidden is not None:
+            assert out[1] is not None
+            hidden.extend(out[1].split(lengths))
+        rows = out[0].cpu().split(lengths)
+        return [r if e else r[-1] for r, e in zip(rows, every, strict=True)]
+
     def _logits(
         self,
         ids: torch.Tensor,
-        flat: list[int],
         spans: list[Span],
-        all_logits: bool | Sequence[bool],
-        capturable: bool,
+        every: list[bool],
         hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """The host copy of each sequence's logits (the graph's, or the rows asked for)."""
-        every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
-        caches = [sp.cache for sp in spans]
-        if (
-            capturable
-            and hidden is None
-            and self.graphs is not None
-            and len(flat) == len(spans) <= MAX_BATCH
-            and len({id(c) for c in caches}) == len(caches)
-        ):
-            # One token per sequence: a captured decode step, unless the set is new.
-            logits = self.graphs.step(flat, caches)
-            if logits is not None:
-                rows = logits.cpu().unbind(0)
-                return [r[None] if e else r for r, e in zip(rows, every, strict=True)]
+        """The host copy of each sequence's logits (every row where ``every`` says so, else
+        the last), run eagerly."""
         dev = self.device
         pos = torch.cat([torch.arange(int(sp.start), int(sp.start) + sp.n) for sp in spans]).to(dev)
         picked = None

@@ -7,7 +7,10 @@ sequences (their KV caches) and cache-length buckets, and replays it: the tokens
 positions are copied into static input tensors, attention reads a fixed number of cached
 positions per sequence (the bucket) and masks the ones past the token. A step of several
 sequences, one token each (the server's continuous batching), is one graph too, once the same
-set has come :data:`SETTLE_STEPS` steps in a row.
+set has come :data:`SETTLE_STEPS` steps in a row. So is a verify step of speculative decoding
+(a few tokens of one sequence, alone or beside others' decode tokens): a graph per verify
+length, with every row's logits and, for a multi-token-prediction head, every row's final
+hidden state.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ import torch
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.step import Span, Step
 
-__all__ = ["MAX_BATCH", "Decoder", "GraphDecoder"]
+__all__ = ["MAX_BATCH", "MAX_SPAN", "Decoder", "GraphDecoder"]
 
 #: Cached positions per bucket: a step attends over the next multiple of this.
 BUCKET = 256
 #: Most sequences a captured step takes (larger batches run eagerly).
 MAX_BATCH = 16
+#: Most tokens of one sequence a captured step takes (a verify step: the sampled token and
+#: its draft; llama.cpp's largest default draft is 16).
+MAX_SPAN = 17
 #: Graphs kept, least recently used dropped first: each holds its batch's caches' addresses
 #: and a share of the graph memory pool.
 MAX_GRAPHS = 32
@@ -53,21 +59,26 @@ class Settling:
         return self.count >= self.steps
 
 
-_Key = tuple[tuple[int, ...], tuple[int, ...]]
+#: (caches' ids, keys read per sequence, tokens per sequence, verify flags, hidden states).
+_Key = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...], bool]
 
 
 class _Entry:
-    """A captured step: its graph, its logits output, and the caches it was captured on
-    (weakly: a graph must never replay on a cache that is gone, and goes with it)."""
+    """A captured step: its graph, its logits (and hidden states) output, what a verify
+    step left in each cache for its rewind (the graph's tensors, which every replay
+    rewrites), and the caches it was captured on (weakly: a graph must never replay on a
+    cache that is gone, and goes with it)."""
 
     def __init__(
         self,
         graph: torch.cuda.CUDAGraph,
         logits: torch.Tensor,
+        hidden: torch.Tensor | None,
         caches: Sequence[KVCache],
         drop: Callable[[object], None],
     ) -> None:
-        self.graph, self.logits = graph, logits
+        self.graph, self.logits, self.hidden = graph, logits, hidden
+        self.kept = [c.kept_steps() for c in caches]
         self.refs = [weakref.ref(c, drop) for c in caches]
 
     def serves(self, caches: Sequence[KVCache]) -> bool:
@@ -85,8 +96,9 @@ class Decoder(Protocol):
 
 
 class GraphDecoder:
-    """Decode steps of ``model`` (on a CUDA device), one token per sequence for up to
-    :data:`MAX_BATCH` sequences, as CUDA graphs per set of caches and buckets."""
+    """Decode and verify steps of ``model`` (on a CUDA device), up to :data:`MAX_SPAN`
+    tokens per sequence for up to :data:`MAX_BATCH` sequences, as CUDA graphs per set of
+    caches, buckets and tokens per sequence."""
 
     def __init__(self, model: Decoder) -> None:
         self.model = model
@@ -106,21 +118,35 @@ class GraphDecoder:
             self.inputs[n] = (zeros, zeros.clone())
         return self.inputs[n]
 
-    def _forward(self, caches: Sequence[KVCache], n_keys: Sequence[int]) -> torch.Tensor:
-        tokens, pos = self._static(len(caches))
-        spans = [
-            Span(pos[i : i + 1], 1, c, nk)
-            for i, (c, nk) in enumerate(zip(caches, n_keys, strict=True))
-        ]
-        return self.model.run(tokens, Step(pos, spans), None)
+    def _forward(
+        self,
+        caches: Sequence[KVCache],
+        n_keys: Sequence[int],
+        lengths: Sequence[int],
+        keep_hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens, pos = self._static(sum(lengths))
+        spans, at = [], 0
+        for c, nk, n in zip(caches, n_keys, lengths, strict=True):
+            spans.append(Span(pos[at : at + n], n, c, nk))
+            at += n
+        step = Step(pos, spans, keep_hidden=keep_hidden)
+        return self.model.run(tokens, step, None), step.hidden
 
-    def _capture(self, key: _Key, caches: Sequence[KVCache], n_keys: Sequence[int]) -> _Entry:
+    def _capture(
+        self,
+        key: _Key,
+        caches: Sequence[KVCache],
+        n_keys: Sequence[int],
+        lengths: Sequence[int],
+        keep_hidden: bool,
+    ) -> _Entry:
         # The warm-up passes run the step: recurrent states it advances are put back after.
         restores = [c.checkpoint() for c in caches]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):
-                self._forward(caches, n_keys)
+                self._forward(caches, n_keys, lengths, keep_hidden)
             for restore in restores:
                 restore()
         graph = torch.cuda.CUDAGraph()
@@ -131,7 +157,7 @@ class GraphDecoder:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.mempool, stream=self.stream):
-                logits = self._forward(caches, n_keys)
+                logits, hidden = self._forward(caches, n_keys, lengths, keep_hidden)
         finally:
             if collecting:
                 gc.enable()
@@ -143,34 +169,44 @@ class GraphDecoder:
             if live is not None:
                 live.graphs.pop(key, None)
 
-        return _Entry(graph, logits, caches, drop)
+        return _Entry(graph, logits, hidden, caches, drop)
 
     @torch.inference_mode()
-    def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor | None:
-        """Runs ``tokens[i]`` at the next position of ``caches[i]`` (distinct caches, at most
-        :data:`MAX_BATCH`); returns their float32 logits ``[n, vocab]`` (on the device, valid
-        until the next step), or None, having run nothing, while a new set of several
-        sequences settles (:data:`SETTLE_STEPS`): the caller runs that step eagerly. The caller
-        has checked the token ids."""
-        starts = [c.reserve(1) for c in caches]
+    def step(
+        self, seqs: Sequence[tuple[Sequence[int], KVCache]], keep_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Runs each sequence's tokens (at most :data:`MAX_SPAN`) at the next positions of
+        its cache (distinct caches, at most :data:`MAX_BATCH`); returns the float32 logits of
+        every row ``[T, vocab]`` and, with ``keep_hidden``, every row's final hidden state
+        (both on the device, valid until the next step), or None, having run nothing, while
+        a new set of several sequences settles (:data:`SETTLE_STEPS`): the caller runs that
+        step eagerly. A cache's ``keep_steps`` (a verify step) is part of what is captured.
+        The caller has checked the token ids."""
+        caches = [c for _, c in seqs]
+        lengths = tuple(len(t) for t, _ in seqs)
+        starts = [c.reserve(n) for c, n in zip(caches, lengths, strict=True)]
         n_keys = tuple(
-            min(c.n_ctx, (s // BUCKET + 1) * BUCKET) for c, s in zip(caches, starts, strict=True)
+            min(c.n_ctx, ((s + n - 1) // BUCKET + 1) * BUCKET)
+            for c, s, n in zip(caches, starts, lengths, strict=True)
         )
-        key = (tuple(id(c) for c in caches), n_keys)
+        verify = tuple(c.keep_steps for c in caches)
+        key = (tuple(id(c) for c in caches), n_keys, lengths, verify, keep_hidden)
         entry = self.graphs.get(key)
         settled = self.settling.settled(key) or len(caches) == 1
         if (entry is None or not entry.serves(caches)) and not settled:
             return None
-        tok, pos = self._static(len(caches))
-        tok.copy_(torch.tensor(tokens, dtype=torch.int64))
-        pos.copy_(torch.tensor(starts, dtype=torch.int64))
+        tok, pos = self._static(sum(lengths))
+        tok.copy_(torch.tensor([t for toks, _ in seqs for t in toks], dtype=torch.int64))
+        at = [s + i for s, n in zip(starts, lengths, strict=True) for i in range(n)]
+        pos.copy_(torch.tensor(at, dtype=torch.int64))
         if entry is None or not entry.serves(caches):
             # The warm-up passes write these positions' keys too: the replay rewrites them.
-            entry = self.graphs[key] = self._capture(key, caches, n_keys)
+            entry = self.graphs[key] = self._capture(key, caches, n_keys, lengths, keep_hidden)
             while len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
         entry.graph.replay()
-        for c in caches:
-            c.commit(1)
-        return entry.logits
+        for c, n, kept in zip(caches, lengths, entry.kept, strict=True):
+            c.restore_kept_steps(kept)
+            c.commit(n)
+        return entry.logits, entry.hidden

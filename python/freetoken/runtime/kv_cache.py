@@ -145,6 +145,15 @@ class KVCache:
         for keys and values: the replay rewrites the same positions."""
         return lambda: None
 
+    def kept_steps(self) -> object:
+        """What the step just run left for :meth:`rewind` besides its positions (None: nothing,
+        as here); a captured step hands it back after each replay
+        (:meth:`restore_kept_steps`)."""
+        return None
+
+    def restore_kept_steps(self, kept: object) -> None:
+        """Takes back what :meth:`kept_steps` returned after the same step."""
+
     def commit(self, n_new: int) -> None:
         """Marks ``n_new`` positions as filled, after every layer stored them."""
         self.length += n_new

@@ -96,6 +96,17 @@ class HybridCache(KVCache):
         ssm = [s.clone() for s in self.ssm]
         return lambda: self._load(conv, ssm)
 
+    def kept_steps(self) -> object:
+        """A verify step's per-token states (the tensors it wrote them into), else None."""
+        return list(self._steps) if self.keep_steps else None
+
+    def restore_kept_steps(self, kept: object) -> None:
+        """After a replay of the captured verify step, its per-token states are where the
+        capture wrote them."""
+        if kept is not None:
+            assert isinstance(kept, list)
+            self._steps = list(kept)
+
     def commit(self, n_new: int) -> None:
         """As :meth:`KVCache.commit`; a step of several tokens also snapshots the states
         (not a verify step's: :meth:`rewind` has its checkpoints)."""
