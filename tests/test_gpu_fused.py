@@ -5,9 +5,11 @@ formula, and, without the norm, bit for bit against torch's float32 ``x * cos + 
 (the kernel keeps torch's roundings: no FMAs); inputs are slices of a fused QKV product (rows
 with a stride), as the attention passes them. ``gpu.topk_softmax`` (routing) against torch's
 top-k, a float64 softmax of the chosen logits and a bincount of the routes.
-``gpu.attn_decode`` (one query over the cached keys) against a float64 softmax attention with
-the causal and window masks and sinks written out; the cache a strided view of a larger one,
-as the KV cache hands it out, values in rows of positions or transposed.
+``gpu.attn_decode`` (one query over the cached keys, split into chunks and merged) against a
+float64 softmax attention with the causal and window masks and sinks written out
+(``tests/attn_reference.py``, the cases of the CPU emulation and larger ones); the cache a
+strided view of a larger one, as the KV cache hands it out, values in rows of positions or
+transposed; inside a CUDA graph replayed at moving positions.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attn_reference import CASES, AttnCase, attn_inputs, attn_reference  # noqa: E402
 from freetoken.errors import InvalidInputError, ShapeError  # noqa: E402
 from freetoken.models.layers import rope_cos_sin  # noqa: E402
 from freetoken.runtime import gpu  # noqa: E402
@@ -107,65 +110,67 @@ def test_topk_softmax_ties_and_bad_input() -> None:
         gpu.topk_softmax(logits.double(), 4)
 
 
-def _attn_reference(q, k, v, pos: int, scale: float, window: int, sinks) -> torch.Tensor:
-    """Float64 attention of one query per head over keys 0..L-1 (position = row)."""
-    h, n_kv = q.shape[0], k.shape[1]
-    j = torch.arange(k.shape[0], device=q.device)
-    seen = (j <= pos) & ((pos - j < window) if window else torch.ones_like(j, dtype=torch.bool))
-    kk = k.double().repeat_interleave(h // n_kv, 1)  # [L, H, D]
-    vv = v.double().repeat_interleave(h // n_kv, 1)
-    s = torch.einsum("hd,lhd->hl", q.double(), kk) * scale
-    s = s.masked_fill(~seen, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.double()[:, None]], -1)
-    p = s.softmax(-1)[:, : k.shape[0]]
-    return torch.einsum("hl,lhd->hd", p, vv).reshape(1, -1)
+#: The emulation's cases (``tests/attn_reference.py``) plus what only the GPU runs in reasonable
+#: time: the benchmark model's shape, more keys than fit shared memory, and the most keys.
+GPU_CASES = [
+    *CASES,
+    AttnCase(32, 4, 128, 128, 64, 63, 0, False),
+    AttnCase(16, 2, 256, 256, 20000, 19990, 0, True),
+    AttnCase(16, 8, 128, 128, 9000, 8999, 1024, False),
+    AttnCase(4, 2, 256, 256, gpu.ATTN_MAX_KEYS, gpu.ATTN_MAX_KEYS - 1, 0, True),
+]
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv", "d", "dv", "n_keys", "pos", "window", "with_sinks"),
-    [
-        (32, 4, 128, 128, 64, 63, 0, False),  # the benchmark model's shape
-        (8, 2, 64, 64, 1, 0, 0, False),
-        (8, 8, 64, 32, 300, 150, 0, False),  # keys past the query masked (a captured step)
-        (16, 2, 64, 64, 700, 699, 128, False),  # a sliding window
-        (8, 1, 64, 64, 200, 120, 50, True),  # window and sinks (gpt-oss)
-        (4, 2, 256, 256, gpu.ATTN_MAX_KEYS, gpu.ATTN_MAX_KEYS - 1, 0, True),
-        (4, 2, 66, 42, 37, 30, 0, False),  # rows not in float4s; a value tail of 2 dims
-    ],
-)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @pytest.mark.parametrize("pos_on_gpu", [False, True])
 @pytest.mark.parametrize("v_transposed", [False, True])
-def test_attn_decode_matches_float64(
-    heads: int,
-    kv: int,
-    d: int,
-    dv: int,
-    n_keys: int,
-    pos: int,
-    window: int,
-    with_sinks: bool,
-    pos_on_gpu: bool,
-    v_transposed: bool,
-) -> None:
-    g = torch.Generator().manual_seed(heads * 1000 + n_keys)
-    q = torch.randn(heads, d, generator=g).cuda()
-    # The caches hold more positions than are read, and rows wider than the heads read.
-    k = torch.randn(n_keys + 5, 2 * kv, d, generator=g).cuda()[:n_keys, :kv]
-    if v_transposed:  # as KVCache(v_transposed=True) hands them out: [kv, dv, n_ctx] permuted
-        v = torch.randn(kv + 1, dv, n_keys + 7, generator=g).cuda()[:kv, :, :n_keys]
-        v = v.permute(2, 0, 1)
-    else:
-        v = torch.randn(n_keys + 5, kv + 1, dv, generator=g).cuda()[:n_keys, :kv]
-    sinks = torch.randn(heads, generator=g).cuda() if with_sinks else None
-    scale = d**-0.5
+def test_attn_decode_matches_float64(case: AttnCase, pos_on_gpu: bool, v_transposed: bool) -> None:
+    q, k, v, sinks = attn_inputs(case, v_transposed, "cuda")
+    scale = case.d**-0.5
+    pos = case.pos
     where = torch.tensor([pos], dtype=torch.int64, device="cuda") if pos_on_gpu else pos
     assert gpu.attn_decode_fits(q, k, v, sinks)
-    got = gpu.attn_decode(q, k, v, where, scale, window, sinks)
-    want = _attn_reference(q, k, v, pos, scale, window, sinks)
-    assert got.shape == (1, heads * dv)
+    got = gpu.attn_decode(q, k, v, where, scale, case.window, sinks)
+    want = attn_reference(q, k, v, pos, scale, case.window, sinks)
+    assert got.shape == (1, case.heads * case.dv)
     err = (got.double() - want).abs().max().item()
     assert err <= 2e-5 * max(want.abs().max().item(), 1.0), err
+
+
+def test_attn_decode_replays_in_a_graph_as_the_position_moves() -> None:
+    """A captured call (position on the GPU, several chunks and their merge) replayed at other
+    positions, as a captured decode step is: each replay equals the float64 reference there."""
+    case = AttnCase(16, 2, 256, 256, 1000, 0, 300, True)
+    q, k, v, sinks = attn_inputs(case, True, "cuda")
+    pos = torch.zeros(1, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up first, as GraphDecoder runs
+        gpu.attn_decode(q, k, v, pos, 0.0625, case.window, sinks)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = gpu.attn_decode(q, k, v, pos, 0.0625, case.window, sinks)
+    torch.cuda.current_stream().wait_stream(stream)
+    for p in (0, 31, 32, 299, 300, 640, 999):
+        pos.fill_(p)
+        graph.replay()
+        want = attn_reference(q, k, v, p, 0.0625, case.window, sinks)
+        err = (out.double() - want).abs().max().item()
+        assert err <= 2e-5 * max(want.abs().max().item(), 1.0), (p, err)
+
+
+def test_attn_decode_checks_its_workspace() -> None:
+    """Sizes split into chunks need the workspace ``cuda_attn_decode_work`` reports: the
+    library refuses a call without one instead of writing anywhere."""
+    from freetoken import _core
+
+    q, k, v, _ = attn_inputs(AttnCase(8, 2, 128, 128, 4000, 3999, 0, False), False, "cuda")
+    out = torch.empty(8 * 128, device="cuda")
+    assert _core.cuda_attn_decode_work(0, (8, 2, 128, 128, 4000)) > 0
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, out.data_ptr())
+    sizes = (8, 2, 128, 128, 4000, k.stride(0), v.stride(0), v.stride(2))
+    with pytest.raises(ShapeError, match="workspace"):
+        _core.cuda_attn_decode(0, 0, sizes, (0, 3999), 1.0, ptrs, (0, 0))
 
 
 def test_attn_decode_refuses_what_it_cannot_take() -> None:
@@ -205,5 +210,5 @@ def test_attn_decode_takes_the_gpu_kv_cache(captured: bool) -> None:
     q = torch.randn(8, 64, generator=g).cuda()
     assert gpu.attn_decode_fits(q, k_all, v_all, None)
     got = gpu.attn_decode(q, k_all, v_all, start, 0.125)
-    want = _attn_reference(q, k_all, v_all, 9, 0.125, 0, None)
+    want = attn_reference(q, k_all, v_all, 9, 0.125, 0, None)
     assert (got.double() - want).abs().max().item() <= 2e-5 * max(want.abs().max().item(), 1.0)

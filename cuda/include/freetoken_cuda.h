@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 6
+#define FT_CUDA_ABI_VERSION 7
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -225,10 +225,12 @@ typedef struct ft_cuda_topk_softmax_args {
  * instead of a scale, two batched products, a mask and a softmax. Query head h reads kv head
  * h / (n_heads / n_kv_heads); key j (its position) is visible when j <= pos and, with a
  * window, pos - j < window: s_j = scale * q_h . k_j, p = softmax(s) (the sink logit sinks[h]
- * joining the denominator when given), out_h = sum_j p_j v_j; float32 throughout. `pos` is
- * read from device memory when `pos_dev` is set (a captured step replays it), else
- * `pos_value`. */
-#define FT_CUDA_ATTN_MAX_KEYS 8192
+ * joining the denominator when given), out_h = sum_j p_j v_j; no visible key gives zeros;
+ * float32 throughout. `pos` is read from device memory when `pos_dev` is set (a captured step
+ * replays it), else `pos_value`. The keys are split into chunks whose partial softmaxes a
+ * second kernel merges, through the caller's workspace `work`: ft_cuda_attn_decode_work tells
+ * its size. The launches depend on the sizes only (never on the position). */
+#define FT_CUDA_ATTN_MAX_KEYS 262144
 typedef struct ft_cuda_attn_decode_args {
     uint64_t struct_size;
     int32_t device;
@@ -251,6 +253,8 @@ typedef struct ft_cuda_attn_decode_args {
     const int64_t *pos_dev; /* device, or null */
     const float *sinks;     /* device [n_heads], or null */
     float *out;             /* device [n_heads, head_dim_v] */
+    void *work;             /* device workspace, 4-byte aligned; null when work_bytes is 0 */
+    uint64_t work_bytes;    /* at least what ft_cuda_attn_decode_work reports for n_keys */
     void *stream;
 } ft_cuda_attn_decode_args;
 
@@ -270,6 +274,10 @@ int32_t ft_cuda_handoff_wait_add(const ft_cuda_handoff_args *args);
 int32_t ft_cuda_handoff_routes(const ft_cuda_handoff_routes_args *args);
 int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args);
 int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args);
+/* Bytes of workspace ft_cuda_attn_decode needs on `device` for these sizes with any key count
+ * up to n_keys (one buffer serves a cache read at growing lengths); 0 when none is needed. */
+int32_t ft_cuda_attn_decode_work(int32_t device, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                 int64_t head_dim_v, int64_t n_keys, uint64_t *bytes);
 int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args);
 const char *ft_cuda_last_error(void);
 

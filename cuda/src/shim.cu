@@ -20,6 +20,8 @@
 #include "mmq.cuh"
 #include "mmvq.cuh"
 
+#include "attn_decode.cuh"
+
 #include <climits>
 #include <cstdarg>
 #include <cstdio>
@@ -681,128 +683,26 @@ static int32_t norm_rope_locked(const ft_cuda_norm_rope_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "norm_rope");
 }
 
-// ---- Decode attention: one query per head over the cached keys in one kernel ----
+// ---- Decode attention: one query per head over the cached keys (attn_decode.cuh) ----
 
-// max (or sum) of `v` over the block (blockDim.x a multiple of 32), in every thread; safe to
-// call again right away (the partials are read before anyone writes the next call's).
-template <bool MAX>
-static __device__ float block_reduce(float v, float *part) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, w) : v + w;
+// SMs per device, read once (the split of decode attention aims at a number of blocks per SM).
+static int g_n_sm[GGML_CUDA_MAX_DEVICES] = {};
+
+static int32_t n_sm_locked(int32_t device, int64_t *n_sm) {
+    if (g_n_sm[device] == 0) {
+        const cudaError_t err = cudaDeviceGetAttribute(&g_n_sm[device], cudaDevAttrMultiProcessorCount, device);
+        if (err != cudaSuccess) {
+            g_n_sm[device] = 0;
+            return cuda_fail(err, "cudaDeviceGetAttribute");
+        }
     }
-    const int lane = threadIdx.x % 32;
-    __syncthreads();  // the previous call's partials are read
-    if (lane == 0) {
-        part[threadIdx.x / 32] = v;
-    }
-    __syncthreads();
-    v = lane < (int)(blockDim.x / 32) ? part[lane] : (MAX ? -INFINITY : 0.0f);
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, w) : v + w;
-    }
-    return v;
+    *n_sm = g_n_sm[device];
+    return FT_CUDA_OK;
 }
 
-// Threads per block of attn_decode_kernel, and the largest head it stages in shared memory.
-#define ATTN_THREADS 256
-#define ATTN_MAX_DIM 512
-
-// One block per query head. Every step keeps many independent loads in flight (the first
-// version, a warp per key with its lanes over the dimensions, walked keys one dependent load
-// and reduction after another and was slower than torch's five kernels): a thread per key
-// reads its whole key row against the query staged in shared memory; the softmax runs in
-// shared memory; the values are summed a warp per four dimensions (the transposed cache:
-// lanes over consecutive positions) or a thread per dimension (rows of positions).
-static __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_kernel(ft_cuda_attn_decode_args a) {
-    extern __shared__ float score[];  // n_keys
-    __shared__ float part[32];
-    __shared__ __align__(16) float qs[ATTN_MAX_DIM];
-    const int64_t h = blockIdx.x;
-    const int64_t g = h / (a.n_heads / a.n_kv_heads);
-    const int64_t pos = a.pos_dev != nullptr ? *a.pos_dev : a.pos_value;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-    for (int64_t d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
-        qs[d] = a.q[h * a.head_dim + d];
-    }
-    __syncthreads();
-    const float *kg = a.k + g * a.head_dim;
-    const bool vec = a.head_dim % 4 == 0 && a.k_stride % 4 == 0 && (uintptr_t)kg % 16 == 0;
-    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
-        const bool seen = j <= pos && (a.window == 0 || pos - j < a.window);
-        float acc = 0.0f;
-        if (seen && vec) {
-            const float4 *k4 = reinterpret_cast<const float4 *>(kg + j * a.k_stride);
-            const float4 *q4 = reinterpret_cast<const float4 *>(qs);
-#pragma unroll 8
-            for (int d = 0; d < (int)(a.head_dim / 4); ++d) {  // int: 64-bit indices spilled
-                const float4 x = k4[d], y = q4[d];
-                acc += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
-            }
-        } else if (seen) {
-            const float *k = kg + j * a.k_stride;
-#pragma unroll 8
-            for (int64_t d = 0; d < a.head_dim; ++d) {
-                acc += k[d] * qs[d];
-            }
-        }
-        score[j] = seen ? acc * a.scale : -INFINITY;
-    }
-    __syncthreads();
-    float m = a.sinks != nullptr ? a.sinks[h] : -INFINITY;
-    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
-        m = fmaxf(m, score[j]);
-    }
-    m = block_reduce<true>(m, part);
-    float sum = 0.0f;
-    for (int64_t j = threadIdx.x; j < a.n_keys; j += blockDim.x) {
-        const float e = score[j] == -INFINITY ? 0.0f : expf(score[j] - m);
-        score[j] = e;
-        sum += e;
-    }
-    sum = block_reduce<false>(sum, part);  // its first barrier also orders the writes above
-    if (a.sinks != nullptr) {
-        sum += expf(a.sinks[h] - m);
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // no visible key: zeros, not NaN
-    const float *v = a.v + g * a.head_dim_v * a.v_dim_stride;
-    float *out = a.out + h * a.head_dim_v;
-    if (a.v_stride == 1 && a.v_dim_stride > 1) {
-        constexpr int DIMS = 4;  // per warp and pass: 4 rows' loads in flight per position
-        for (int64_t d0 = (int64_t)warp * DIMS; d0 < a.head_dim_v; d0 += (int64_t)n_warps * DIMS) {
-            float acc[DIMS] = {};
-            const float *rows = v + d0 * a.v_dim_stride;
-#pragma unroll 4
-            for (int64_t j = lane; j < a.n_keys; j += 32) {
-                const float p = score[j];
-#pragma unroll
-                for (int u = 0; u < DIMS; ++u) {
-                    if (d0 + u < a.head_dim_v) {
-                        acc[u] += p * rows[u * a.v_dim_stride + j];
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < DIMS; ++u) {
-                for (int o = 16; o > 0; o >>= 1) {
-                    acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
-                }
-                if (lane == 0 && d0 + u < a.head_dim_v) {
-                    out[d0 + u] = acc[u] * inv;
-                }
-            }
-        }
-    } else {
-        for (int64_t d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
-            float acc = 0.0f;
-#pragma unroll 8
-            for (int64_t j = 0; j < a.n_keys; ++j) {
-                acc += score[j] * v[j * a.v_stride + d * a.v_dim_stride];
-            }
-            out[d] = acc * inv;
-        }
-    }
+static bool attn_sizes_ok(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t head_dim_v, int64_t n_keys) {
+    return n_heads >= 1 && n_heads <= 65535 && n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && head_dim >= 1 &&
+           head_dim <= 512 && head_dim_v >= 1 && head_dim_v <= 512 && n_keys >= 1 && n_keys <= FT_CUDA_ATTN_MAX_KEYS;
 }
 
 static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
@@ -813,9 +713,8 @@ static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
     if (a.q == nullptr || a.k == nullptr || a.v == nullptr || a.out == nullptr) {
         return fail(FT_CUDA_EINVAL, "attn_decode: q, k, v and out must be non-null");
     }
-    if (a.n_heads < 1 || a.n_heads > 65535 || a.n_kv_heads < 1 || a.n_heads % a.n_kv_heads != 0 ||
-        a.head_dim < 1 || a.head_dim > 512 || a.head_dim_v < 1 || a.head_dim_v > 512 || a.n_keys < 1 ||
-        a.n_keys > FT_CUDA_ATTN_MAX_KEYS || a.k_stride < a.n_kv_heads * a.head_dim ||
+    if (!attn_sizes_ok(a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim_v, a.n_keys) ||
+        a.k_stride < a.n_kv_heads * a.head_dim ||
         !((a.v_dim_stride == 1 && a.v_stride >= a.n_kv_heads * a.head_dim_v) ||
           (a.v_stride == 1 && a.v_dim_stride >= a.n_keys)) ||
         a.window < 0 || (a.pos_dev == nullptr && a.pos_value < 0)) {
@@ -826,12 +725,50 @@ static int32_t attn_decode_locked(const ft_cuda_attn_decode_args &a) {
                     (long long)a.n_keys, (long long)a.k_stride, (long long)a.v_stride, (long long)a.v_dim_stride,
                     (long long)a.window, (long long)a.pos_value);
     }
+    int64_t n_sm = 0;
+    rc = n_sm_locked(a.device, &n_sm);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    const attn_plan p = attn_plan_for(a.n_heads, a.n_kv_heads, a.head_dim, a.head_dim_v, a.n_keys, n_sm);
+    if (a.work_bytes < p.work_bytes || (p.work_bytes > 0 && (a.work == nullptr || (uintptr_t)a.work % 4 != 0))) {
+        return fail(FT_CUDA_ESHAPE,
+                    "attn_decode: a workspace of %llu bytes at %p, these sizes need %llu 4-byte aligned "
+                    "(ft_cuda_attn_decode_work)",
+                    (unsigned long long)a.work_bytes, a.work, (unsigned long long)p.work_bytes);
+    }
     device_guard dg(a.device);
     cudaGetLastError();
-    const size_t shared = (size_t)a.n_keys * sizeof(float);
-    attn_decode_kernel<<<(unsigned)a.n_heads, ATTN_THREADS, shared, as_stream(a.stream)>>>(a);
+    const cudaStream_t stream = as_stream(a.stream);
+    attn_chunk_kernel<<<dim3((unsigned)p.n_chunks, (unsigned)p.n_groups), ATTN_THREADS, p.shared, stream>>>(a, p);
+    if (p.n_chunks > 1) {
+        const unsigned dim_blocks = (unsigned)attn_ceil_div(a.head_dim_v, ATTN_MERGE_THREADS);
+        attn_merge_kernel<<<dim3((unsigned)a.n_heads, dim_blocks), ATTN_MERGE_THREADS, 0, stream>>>(a, p);
+    }
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "attn_decode");
+}
+
+static int32_t attn_decode_work_locked(int32_t device, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                       int64_t head_dim_v, int64_t n_keys, uint64_t *bytes) {
+    int32_t rc = check_device(device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (bytes == nullptr) {
+        return fail(FT_CUDA_EINVAL, "attn_decode_work: bytes must be non-null");
+    }
+    if (!attn_sizes_ok(n_heads, n_kv_heads, head_dim, head_dim_v, n_keys)) {
+        return fail(FT_CUDA_ESHAPE, "attn_decode_work: bad sizes (heads %lld/%lld, dims %lld/%lld, keys %lld)",
+                    (long long)n_heads, (long long)n_kv_heads, (long long)head_dim, (long long)head_dim_v,
+                    (long long)n_keys);
+    }
+    int64_t n_sm = 0;
+    rc = n_sm_locked(device, &n_sm);
+    if (rc == FT_CUDA_OK) {
+        *bytes = attn_work_bound(n_heads, n_kv_heads, head_dim_v, n_keys, n_sm);
+    }
+    return rc;
 }
 
 // ---- Softmax routing: top-k and the renormalized weights in one kernel ----
@@ -1017,6 +954,12 @@ FT_EXPORT int32_t ft_cuda_norm_rope(const ft_cuda_norm_rope_args *args) {
 
 FT_EXPORT int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args) {
     return checked_call("attn_decode", args, attn_decode_locked);
+}
+
+FT_EXPORT int32_t ft_cuda_attn_decode_work(int32_t device, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                                           int64_t head_dim_v, int64_t n_keys, uint64_t *bytes) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return attn_decode_work_locked(device, n_heads, n_kv_heads, head_dim, head_dim_v, n_keys, bytes);
 }
 
 FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {

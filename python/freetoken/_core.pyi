@@ -51,6 +51,7 @@ __all__ = [
     "__version__",
     "cpu_kernel_isa",
     "cuda_attn_decode",
+    "cuda_attn_decode_work",
     "cuda_device_info",
     "cuda_expert_matmul",
     "cuda_handoff_routes",
@@ -385,7 +386,9 @@ def cuda_attn_decode(
     where_: tuple[int, int],
     scale: float,
     ptrs: tuple[int, int, int, int, int, int],
+    work: tuple[int, int],
 ) -> None: ...
+def cuda_attn_decode_work(device: int, sizes: tuple[int, int, int, int, int]) -> int: ...
 
 @final
 class Upload:

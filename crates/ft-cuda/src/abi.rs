@@ -6,10 +6,9 @@
 use std::ffi::{c_char, c_void};
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION`).
-pub const ABI_VERSION: u32 = 6;
-/// Keys [`crate::Cuda::attn_decode`] takes at most (`FT_CUDA_ATTN_MAX_KEYS`): its scores live
-/// in shared memory.
-pub const ATTN_MAX_KEYS: usize = 8192;
+pub const ABI_VERSION: u32 = 7;
+/// Keys [`crate::Cuda::attn_decode`] takes at most (`FT_CUDA_ATTN_MAX_KEYS`).
+pub const ATTN_MAX_KEYS: usize = 262144;
 /// Experts [`crate::Cuda::topk_softmax`] takes at most (`FT_CUDA_TOPK_MAX_EXPERTS`): a thread
 /// per expert.
 pub const TOPK_MAX_EXPERTS: usize = 1024;
@@ -180,6 +179,8 @@ pub(crate) struct RawAttnDecodeArgs {
     pub(crate) pos_dev: *const i64,
     pub(crate) sinks: *const f32,
     pub(crate) out: *mut f32,
+    pub(crate) work: *mut c_void,
+    pub(crate) work_bytes: u64,
     pub(crate) stream: *mut c_void,
 }
 
@@ -195,6 +196,8 @@ pub(crate) type FnHandoffRoutes = unsafe extern "C" fn(*const RawHandoffRoutesAr
 pub(crate) type FnNormRope = unsafe extern "C" fn(*const RawNormRopeArgs) -> i32;
 pub(crate) type FnTopkSoftmax = unsafe extern "C" fn(*const RawTopkSoftmaxArgs) -> i32;
 pub(crate) type FnAttnDecode = unsafe extern "C" fn(*const RawAttnDecodeArgs) -> i32;
+pub(crate) type FnAttnDecodeWork =
+    unsafe extern "C" fn(i32, i64, i64, i64, i64, i64, *mut u64) -> i32;
 pub(crate) type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// `(index, C name, size)` of every argument struct, as `ft_cuda_struct_size` numbers them.
@@ -440,6 +443,8 @@ mod tests {
                 pos_dev,
                 sinks,
                 out,
+                work,
+                work_bytes,
                 stream
             ]
         );

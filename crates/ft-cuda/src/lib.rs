@@ -22,6 +22,6 @@ pub use checks::check_ids;
 pub use ft_core::cache_plan::{pool_nbytes, MAX_POOL_BLOCKS as MAX_BLOCKS, ROW_PADDING};
 pub use loader::{available, library_present, runtime, Cuda, LIB_ENV, LIB_NAME};
 pub use ops::{
-    Activation, AttnDecode, DeviceInfo, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer,
-    NormRope, TopkSoftmax, MMVQ_MAX_TOKENS,
+    Activation, AttnDecode, AttnDecodeShape, DeviceInfo, ExpertMatmul, Handoff, HandoffRoutes,
+    Kernel, MoeLayer, NormRope, TopkSoftmax, MMVQ_MAX_TOKENS,
 };

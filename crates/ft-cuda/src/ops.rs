@@ -126,7 +126,9 @@ pub struct MoeLayer {
 /// 1); keys `0..n_keys` are positions, visible up to the query's position (`pos_dev`,
 /// an int64 in device memory, or `pos_value` when that is 0) and within `window` (0: none);
 /// `sinks` (`n_heads` floats, 0 for none) join each softmax's denominator; `out`
-/// `[n_heads, head_dim_v]`. Addresses are device memory.
+/// `[n_heads, head_dim_v]`; `work` a workspace of `work_bytes`, at least what
+/// [`Cuda::attn_decode_work`] reports (0 for none when that is 0). Addresses are device
+/// memory.
 #[derive(Debug, Clone)]
 pub struct AttnDecode {
     /// CUDA device index.
@@ -165,8 +167,42 @@ pub struct AttnDecode {
     pub sinks: usize,
     /// Output.
     pub out: usize,
+    /// Workspace, or 0.
+    pub work: usize,
+    /// Bytes at `work`.
+    pub work_bytes: usize,
     /// `cudaStream_t`.
     pub stream: usize,
+}
+
+/// The sizes [`Cuda::attn_decode_work`] sizes a workspace for: as in [`AttnDecode`], with
+/// `n_keys` the most keys the workspace serves.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnDecodeShape {
+    /// CUDA device index.
+    pub device: i32,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (divides `n_heads`).
+    pub n_kv_heads: usize,
+    /// Floats per query and key head.
+    pub head_dim: usize,
+    /// Floats per value head.
+    pub head_dim_v: usize,
+    /// Cached positions read, at most.
+    pub n_keys: usize,
+}
+
+impl AttnDecodeShape {
+    /// Whether the library takes these sizes (its own check, made here before the call).
+    fn fits(&self) -> bool {
+        (1..=65535).contains(&self.n_heads)
+            && self.n_kv_heads != 0
+            && self.n_heads.is_multiple_of(self.n_kv_heads)
+            && (1..=512).contains(&self.head_dim)
+            && (1..=512).contains(&self.head_dim_v)
+            && (1..=ATTN_MAX_KEYS).contains(&self.n_keys)
+    }
 }
 
 /// Softmax routing with renormalized top-k ([`Cuda::topk_softmax`]): `n_tokens` rows of
@@ -634,6 +670,9 @@ impl Cuda {
         if a.sinks != 0 {
             check_addrs(&[("sinks", a.sinks)])?;
         }
+        if a.work != 0 || a.work_bytes != 0 {
+            check_addrs(&[("work", a.work)])?;
+        }
         if a.pos_dev != 0 && !a.pos_dev.is_multiple_of(8) {
             return Err(Error::InvalidInput(format!(
                 "pos: device address {:#x} is not 8-byte aligned",
@@ -646,13 +685,15 @@ impl Cuda {
         let v_dims = a.n_kv_heads * a.head_dim_v;
         let v_fits = (a.v_dim_stride == 1 && rows_fit(a.v_stride, v_dims))
             || (a.v_stride == 1 && strided_rows_fit(v_dims, a.v_dim_stride, a.n_keys));
-        if a.n_heads == 0
-            || a.n_heads > 65535
-            || a.n_kv_heads == 0
-            || !a.n_heads.is_multiple_of(a.n_kv_heads)
-            || !(1..=512).contains(&a.head_dim)
-            || !(1..=512).contains(&a.head_dim_v)
-            || !(1..=ATTN_MAX_KEYS).contains(&a.n_keys)
+        let shape = AttnDecodeShape {
+            device: a.device,
+            n_heads: a.n_heads,
+            n_kv_heads: a.n_kv_heads,
+            head_dim: a.head_dim,
+            head_dim_v: a.head_dim_v,
+            n_keys: a.n_keys,
+        };
+        if !shape.fits()
             || !rows_fit(a.k_stride, a.n_kv_heads * a.head_dim)
             || !v_fits
             || !a.scale.is_finite()
@@ -693,10 +734,41 @@ impl Cuda {
             pos_dev: a.pos_dev as *const i64,
             sinks: a.sinks as *const f32,
             out: a.out as *mut f32,
+            work: a.work as *mut c_void,
+            work_bytes: a.work_bytes as u64,
             stream: a.stream as *mut c_void,
         };
-        // SAFETY: only queues a kernel; the caller owns device buffers of the sizes stated
-        // (checked against the tensors by the Python layer) for as long as it runs.
+        // SAFETY: only queues kernels (the library checks the workspace's size against the
+        // sizes first); the caller owns device buffers of the sizes stated (checked against
+        // the tensors by the Python layer) for as long as they run.
         self.status(unsafe { (self.api.attn_decode)(&raw) })
+    }
+
+    /// Bytes of workspace [`Cuda::attn_decode`] needs for `s` with any key count up to
+    /// `s.n_keys` (0: none).
+    pub fn attn_decode_work(&self, s: AttnDecodeShape) -> Result<usize> {
+        self.check_device(s.device)?;
+        if !s.fits() {
+            return Err(Error::Shape(format!(
+                "attn_decode_work: {} heads over {} kv heads of {}/{}, {} keys (at most \
+                 {ATTN_MAX_KEYS})",
+                s.n_heads, s.n_kv_heads, s.head_dim, s.head_dim_v, s.n_keys
+            )));
+        }
+        let mut bytes = 0u64;
+        // SAFETY: `bytes` is a live u64 the call writes; the sizes are plain values.
+        let rc = unsafe {
+            (self.api.attn_decode_work)(
+                s.device,
+                s.n_heads as i64,
+                s.n_kv_heads as i64,
+                s.head_dim as i64,
+                s.head_dim_v as i64,
+                s.n_keys as i64,
+                &mut bytes,
+            )
+        };
+        self.status(rc)?;
+        usize::try_from(bytes).map_err(|_| Error::Shape(format!("attn_decode_work: {bytes} bytes")))
     }
 }

@@ -7,8 +7,8 @@ use crate::errors::IntoPy;
 use crate::host::{check_disjoint, Dtype, HostArray};
 use freetoken_ggml::GgmlType;
 use ft_cuda::{
-    Activation, AttnDecode, ExpertMatmul, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope,
-    TopkSoftmax,
+    Activation, AttnDecode, AttnDecodeShape, ExpertMatmul, Handoff, HandoffRoutes, Kernel,
+    MoeLayer, NormRope, TopkSoftmax,
 };
 use pyo3::prelude::*;
 
@@ -27,6 +27,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_attn_decode_work, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
     m.add("CUDA_TOPK_MAX_EXPERTS", ft_cuda::TOPK_MAX_EXPERTS)?;
     m.add("CUDA_TOPK_MAX_K", ft_cuda::TOPK_MAX_K)?;
@@ -360,7 +361,7 @@ pub fn cuda_topk_softmax(
 
 /// One decode step's attention (`ft_cuda::Cuda::attn_decode`). `sizes` is (n_heads, n_kv_heads,
 /// head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride); `where_` (window, pos_value); `ptrs` (q,
-/// k, v, pos or 0, sinks or 0, out).
+/// k, v, pos or 0, sinks or 0, out); `work` (address or 0, bytes).
 #[pyfunction]
 pub fn cuda_attn_decode(
     device: i32,
@@ -369,11 +370,13 @@ pub fn cuda_attn_decode(
     where_: (usize, usize),
     scale: f32,
     ptrs: (usize, usize, usize, usize, usize, usize),
+    work: (usize, usize),
 ) -> PyResult<()> {
     let (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys, k_stride, v_stride, v_dim_stride) =
         sizes;
     let (window, pos_value) = where_;
     let (q, k, v, pos_dev, sinks, out) = ptrs;
+    let (work, work_bytes) = work;
     let a = AttnDecode {
         device,
         n_heads,
@@ -393,9 +396,32 @@ pub fn cuda_attn_decode(
         pos_dev,
         sinks,
         out,
+        work,
+        work_bytes,
         stream,
     };
     ft_cuda::runtime()
         .and_then(|rt| rt.attn_decode(&a))
+        .py_err()
+}
+
+/// Workspace bytes `cuda_attn_decode` needs (`ft_cuda::Cuda::attn_decode_work`) for `sizes`
+/// (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys) with any key count up to n_keys.
+#[pyfunction]
+pub fn cuda_attn_decode_work(
+    device: i32,
+    sizes: (usize, usize, usize, usize, usize),
+) -> PyResult<usize> {
+    let (n_heads, n_kv_heads, head_dim, head_dim_v, n_keys) = sizes;
+    let s = AttnDecodeShape {
+        device,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        head_dim_v,
+        n_keys,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.attn_decode_work(s))
         .py_err()
 }

@@ -468,8 +468,33 @@ def norm_rope(
     return y
 
 
-#: Keys :func:`attn_decode` reads at most (its scores live in shared memory).
+#: Keys :func:`attn_decode` reads at most.
 ATTN_MAX_KEYS = _core.CUDA_ATTN_MAX_KEYS
+
+_attn_work_bytes: dict[tuple[int, int, int, int, int, int], int] = {}
+_attn_work: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def _attn_workspace(q: torch.Tensor, sizes: tuple[int, int, int, int, int]) -> tuple[int, int]:
+    """(address, bytes) of the workspace :func:`attn_decode` needs for ``sizes`` (heads, kv
+    heads, dims, value dims, keys) on ``q``'s device and current stream, or (0, 0) for none.
+    Sized for the key count rounded up to a power of two (a cache read at growing lengths
+    takes a handful of sizes). Made once per (device, stream, bytes) and never freed, as
+    :func:`constant`'s buffers: a captured step keeps the address it was captured with, and
+    the kernels that share one workspace run in order on its stream."""
+    dev, index = q.device, _device_index(q)
+    keys = min(ATTN_MAX_KEYS, 1 << (sizes[4] - 1).bit_length())
+    shape = (index, *sizes[:4], keys)
+    nbytes = _attn_work_bytes.get(shape)
+    if nbytes is None:
+        nbytes = _attn_work_bytes[shape] = _core.cuda_attn_decode_work(index, shape[1:])
+    if nbytes == 0:
+        return 0, 0
+    key = (index, _stream(dev), nbytes)
+    buf = _attn_work.get(key)
+    if buf is None:
+        buf = _attn_work[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return buf.data_ptr(), nbytes
 
 
 def _heads_uniform(t: torch.Tensor) -> bool:
@@ -524,7 +549,9 @@ def attn_decode(
     keeps values) in one kernel on the current stream: keys
     up to position ``pos`` (an int, or a one-element int64 tensor on the GPU, which a captured
     step replays) and within ``window`` (0: none) are seen; ``sinks [H]`` join each softmax's
-    denominator (gpt-oss). Returns ``[1, H * Dv]``, as ``layers.attention`` does."""
+    denominator (gpt-oss). The keys are split into chunks over the GPU's SMs and merged, through
+    a workspace kept per device and stream. Returns ``[1, H * Dv]``, as ``layers.attention``
+    does."""
     if not attn_decode_fits(q, k, v, sinks):
         raise ShapeError(
             f"attn_decode: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v "
@@ -544,6 +571,7 @@ def attn_decode(
         pos_value, pos_ptr = pos, 0
     (h, d), (n_keys, n_kv, dv) = q.shape, v.shape
     out = torch.empty((1, h * dv), dtype=torch.float32, device=dev)
+    work = _attn_workspace(q, (h, n_kv, d, dv, n_keys))
     _core.cuda_attn_decode(
         _device_index(q),
         _stream(dev),
@@ -558,6 +586,7 @@ def attn_decode(
             0 if sinks is None else sinks.data_ptr(),
             out.data_ptr(),
         ),
+        work,
     )
     return out
 
