@@ -24,6 +24,7 @@ pub(crate) struct Api {
     pub(crate) norm_rope: FnNormRope,
     pub(crate) topk_softmax: FnTopkSoftmax,
     pub(crate) attn_decode: FnAttnDecode,
+    pub(crate) gdn_decode: FnGdnDecode,
     pub(crate) last_error: FnLastError,
 }
 
@@ -164,6 +165,7 @@ impl Cuda {
                 norm_rope: symbol(handle, "ft_cuda_norm_rope")?,
                 topk_softmax: symbol(handle, "ft_cuda_topk_softmax")?,
                 attn_decode: symbol(handle, "ft_cuda_attn_decode")?,
+                gdn_decode: symbol(handle, "ft_cuda_gdn_decode")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;
