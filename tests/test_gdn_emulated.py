@@ -53,7 +53,9 @@ def _run(lib: ctypes.CDLL, layer: Layer, inputs: Inputs) -> torch.Tensor:
     ptrs = (ctypes.c_void_p * 8)(*(t.data_ptr() for t in (mixed, z, b, a, *layer.weights)))
     convs = (ctypes.c_void_p * n)(*(cs.data_ptr() for cs, _ in layer.states))
     ssms = (ctypes.c_void_p * n)(*(ss.data_ptr() for _, ss in layer.states))
-    lib.gdn_emulate(sizes, strides, ctypes.c_float(1e-6), ptrs, convs, ssms, ctypes.c_void_p(out.data_ptr()))
+    lib.gdn_emulate(
+        sizes, strides, ctypes.c_float(1e-6), ptrs, convs, ssms, ctypes.c_void_p(out.data_ptr())
+    )
     return out
 
 

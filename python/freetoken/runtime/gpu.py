@@ -13,8 +13,8 @@ runs CPU-only); the other calls raise UnsupportedError.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,10 +26,10 @@ from freetoken.quant import QType, qtype_id, type_info
 
 __all__ = [
     "ATTN_MAX_KEYS",
-    "DeviceInfo",
-    "ExpertPool",
     "GDN_MAX_DIM",
     "GDN_MAX_SEQS",
+    "DeviceInfo",
+    "ExpertPool",
     "GpuStatus",
     "attn_decode",
     "attn_decode_fits",
