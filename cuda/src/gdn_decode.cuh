@@ -49,17 +49,17 @@ static __device__ __forceinline__ float gdn_warp_sum(float v) {
 
 static __device__ __forceinline__ float gdn_silu(float x) { return x / (1.0f + expf(-x)); }
 
-// SiLU of the causal conv of channel c of sequence s: the conv state's K-1 rows (oldest first)
-// then the token's input, against taps 0..K-1 of the channel's weights.
-static __device__ float gdn_conv_silu(const gdn_params &p, int s, int64_t c) {
-    const int64_t channels = (int64_t)(2 * p.k_heads + p.v_heads) * p.head_dim;
-    const float *state = p.conv[s] + c;
-    const float *w = p.conv_weight + c * p.conv_kernel;
+// SiLU of the causal conv of channel c: the conv state's K-1 rows `channels` apart (oldest
+// first) then the token's input x, against taps 0..K-1 of the channel's weights. Plain
+// pointers in: a reference to the kernel's parameters would copy them to local memory.
+static __device__ __forceinline__ float gdn_conv_silu(const float *state, const float *x, const float *weight,
+                                                      int64_t channels, int taps, int64_t c) {
+    const float *w = weight + c * taps;
     float acc = 0.0f;
-    for (int j = 0; j < p.conv_kernel - 1; ++j) {
-        acc += state[j * channels] * w[j];
+    for (int j = 0; j < taps - 1; ++j) {
+        acc += state[j * channels + c] * w[j];
     }
-    acc += p.mixed[s * p.mixed_stride + c] * w[p.conv_kernel - 1];
+    acc += x[c] * w[taps - 1];
     return gdn_silu(acc);
 }
 
@@ -75,11 +75,15 @@ static __global__ void __launch_bounds__(GDN_THREADS) gdn_step_kernel(const gdn_
     const int col = blockIdx.x * GDN_COLS + lane;
     const bool has_col = col < d;
     const int kh = p.grouped ? h / (p.v_heads / p.k_heads) : h % p.k_heads;
+    const int64_t channels = (int64_t)(2 * p.k_heads + p.v_heads) * d;
+    const float *conv = p.conv[s], *x_in = p.mixed + s * p.mixed_stride, *w = p.conv_weight;
+    const int taps = p.conv_kernel;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        qs[i] = gdn_conv_silu(p, s, (int64_t)kh * d + i);
-        ks[i] = gdn_conv_silu(p, s, (int64_t)(p.k_heads + kh) * d + i);
+        qs[i] = gdn_conv_silu(conv, x_in, w, channels, taps, (int64_t)kh * d + i);
+        ks[i] = gdn_conv_silu(conv, x_in, w, channels, taps, (int64_t)(p.k_heads + kh) * d + i);
     }
-    const float v = has_col ? gdn_conv_silu(p, s, (int64_t)(2 * p.k_heads + h) * d + col) : 0.0f;
+    const int64_t v_channel = (int64_t)(2 * p.k_heads + h) * d + col;
+    const float v = has_col ? gdn_conv_silu(conv, x_in, w, channels, taps, v_channel) : 0.0f;
     const int64_t ba = s * p.ba_stride + (int64_t)(h / p.ba_group) * p.ba_group_stride + h % p.ba_group;
     const float beta = 1.0f / (1.0f + expf(-p.b[ba]));
     const float x = p.a[ba] + p.dt_bias[h];
