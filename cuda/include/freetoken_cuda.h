@@ -255,11 +255,12 @@ typedef struct ft_cuda_attn_decode_args {
 } ft_cuda_attn_decode_args;
 
 /* A Gated DeltaNet layer's decode step (one token per sequence) between its projections, in
- * two kernels instead of some twenty element-wise ones. Per sequence s and value head h (key
- * head kh = h / (v_heads / k_heads) when `grouped`, else h % k_heads), with the channels
- * (2 k_heads + v_heads) * head_dim of `mixed` ordered q heads, k heads, v heads:
+ * two kernels instead of the torch path's forty or so small ones. Per sequence s and value
+ * head h (key head kh = h / (v_heads / k_heads) when `grouped`, else h % k_heads), with the
+ * channels (2 k_heads + v_heads) * head_dim of `mixed` ordered q heads, k heads, v heads:
  *   y = silu(causal conv of mixed over the conv state, tap conv_kernel - 1 on the token)
- *   q = y_q[kh] / sqrt(|y_q[kh]|^2 + eps) / sqrt(head_dim);  k = y_k[kh] / sqrt(|y_k[kh]|^2 + eps)
+ *   q = y_q[kh] / sqrt(|y_q[kh]|^2 + eps) / sqrt(head_dim)
+ *   k = y_k[kh] / sqrt(|y_k[kh]|^2 + eps)
  *   g = softplus(a_h + dt_bias[h]) * ssm_a[h];  beta = sigmoid(b_h)
  *   S' = exp(g) S;  S = S' + k (beta (y_v[h] - S'^T k))^T;  o = S^T q
  *   out[s, h] = o / sqrt(mean(o^2) + eps) * norm * silu(z[s, h])
