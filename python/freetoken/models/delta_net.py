@@ -20,7 +20,8 @@ are a loop.
 Around it (:class:`DeltaNetLayer`): the fused ``attn_qkv`` projection through a causal
 depthwise conv1d (its last ``conv_kernel - 1`` inputs are the rolling conv state) and SiLU,
 split into q, k, v; the heads' output RMS-normed per head by ``ssm_norm``, gated by
-``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``.
+``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``. On the GPU a decode step runs
+everything between the projections in two kernels (:func:`~freetoken.runtime.gpu.gdn_decode`).
 """
 
 from __future__ import annotations
