@@ -9,7 +9,10 @@ CPU's near-ties and the mean KL(CPU || GPU) is at most 0.005. Each GPU strategy 
 through the hand-off) on the MoE architectures; the dense one has no experts to place.
 Decode steps replay CUDA graphs (the recurrent step updates the cache's state buffers in
 place) and give the eager step's logits, one sequence or several in one graph; a cut back
-to a snapshot on the GPU continues as a fresh run. Through the live server on ``hybrid``:
+to a snapshot on the GPU continues as a fresh run; every decode step runs the recurrent layers'
+fused kernels (``gpu.gdn_decode``), which on their own match the torch path in float64 over
+several steps, several sequences, value heads tiled or grouped over fewer key heads and heads
+of 32 to 256 (tests/gdn_cases.py). Through the live server on ``hybrid``:
 a multi-turn chat and a shared system prompt reuse their prefixes and give the fresh runs'
 outputs, and requests never read each other's state (tests/test_server_hybrid_prefix.py).
 """
@@ -24,9 +27,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from freetoken import _core  # noqa: E402
 from freetoken.engine.options import EngineOptions  # noqa: E402
+from freetoken.errors import ShapeError  # noqa: E402
 from freetoken.llm import LLM, PROMPT_CHUNK  # noqa: E402
+from freetoken.runtime import gpu  # noqa: E402
 from freetoken.runtime.recurrent_cache import HybridCache  # noqa: E402
+from gdn_cases import EPS, Case, make_inputs, make_layer, reference_step  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
 from test_qwen35 import SHORT, _long_prompt  # noqa: E402
@@ -112,10 +119,28 @@ def _check(what: str, ref: np.ndarray, ours: np.ndarray) -> None:
     assert c.mean_kl <= MAX_KL, f"{what}: {c.describe()}"
 
 
+def _count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of ``gpu.gdn_decode`` (captured steps call it once, replays not)."""
+    calls: list[int] = []
+    fused = gpu.gdn_decode
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return fused(*args)
+
+    monkeypatch.setattr(gpu, "gdn_decode", counted)
+    return calls
+
+
 @pytest.mark.parametrize(("name", "strategy"), CASES)
 def test_gpu_matches_cpu(
-    name: str, strategy: str, model_files: dict[str, Path], cpu_runs: dict[str, Any]
+    name: str,
+    strategy: str,
+    model_files: dict[str, Path],
+    cpu_runs: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    fused = _count_fused(monkeypatch)
     llm = _gpu_llm(model_files[name], strategy)
     place = llm.placement
     assert place is not None and place.strategy == strategy
@@ -126,7 +151,9 @@ def test_gpu_matches_cpu(
     for prompt, gen, ref in cpu_runs[name]:
         what = f"{name} {strategy} ({len(prompt)} prompt tokens)"
         cache = llm.model.new_cache(N_CTX)
+        fused.clear()
         _check(what, ref, _run(llm.model, prompt, gen, cache))
+        assert fused, f"{what}: no decode step ran the fused recurrent kernels"
         # A graph lives as long as the cache it was captured on.
         assert _graphs_ran(llm.model) == place.graphs, what
         whole = llm.logits(prompt + gen)[:-1].numpy()  # all of it as prompt chunks
@@ -213,6 +240,57 @@ def test_snapshot_restore_on_the_gpu(
     assert cache.truncate(PROMPT_CHUNK - 1) == 0
     assert all(not s.any() for s in cache.ssm) and all(not c.any() for c in cache.conv)
     _check("after a cut to nothing", ref, _run(model, prompt, gen, cache))
+
+
+GDN_CASES = {
+    "tiled-128": Case(1, 2, 4, 128, 4, grouped=False, fused_ba=False),
+    "grouped-48": Case(3, 2, 6, 48, 3, grouped=True, fused_ba=True),
+    "tiled-256": Case(2, 1, 2, 256, 4, grouped=False, fused_ba=False),
+    # More sequences than one launch takes.
+    "grouped-70-seqs": Case(70, 2, 4, 32, 2, grouped=True, fused_ba=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GDN_CASES))
+def test_gdn_decode_matches_torch_float64(name: str) -> None:
+    """The fused step against the torch path in float64, step after step with the states
+    carried (each sequence its own), the states updated in place."""
+    case = GDN_CASES[name]
+    gen = torch.Generator().manual_seed(11)
+    ref = make_layer(case, gen)
+    ours = ref.to(torch.float32, "cuda")
+    for step in range(4):
+        ref_in, (mixed, z, b, a) = make_inputs(case, gen, "cuda")
+        want, _ = reference_step(ref, ref_in)
+        assert gpu.gdn_decode_fits(mixed, z, b, a, ours.weights, ours.states)
+        got = gpu.gdn_decode(mixed, z, b, a, ours.weights, ours.states, case.grouped, EPS)
+        what = f"{name} step {step}"
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4, msg=what)
+        for (c, s), (rc, rs) in zip(ours.states, ref.states, strict=True):
+            torch.testing.assert_close(c.cpu(), rc.float(), rtol=0, atol=0, msg=f"{what} conv")
+            torch.testing.assert_close(s.double().cpu(), rs, rtol=1e-4, atol=1e-5, msg=what)
+
+
+def test_gdn_decode_refuses_what_it_does_not_take() -> None:
+    """Heads over GDN_MAX_DIM stay on the torch path (the wrapper refuses them); the FFI
+    checks the sizes before the library sees them."""
+    case = Case(1, 1, 2, gpu.GDN_MAX_DIM + 32, 4, grouped=False, fused_ba=False)
+    layer = make_layer(case, torch.Generator().manual_seed(3)).to(torch.float32, "cuda")
+    _, (mixed, z, b, a) = make_inputs(case, torch.Generator().manual_seed(4), "cuda")
+    assert not gpu.gdn_decode_fits(mixed, z, b, a, layer.weights, layer.states)
+    with pytest.raises(ShapeError):
+        gpu.gdn_decode(mixed, z, b, a, layer.weights, layer.states, False, EPS)
+    addr = mixed.data_ptr()
+    stream = torch.cuda.current_stream().cuda_stream
+    too_many = [(addr, addr)] * (gpu.GDN_MAX_SEQS + 1)
+    for heads, states in (
+        ((1, 2, gpu.GDN_MAX_DIM + 32, 4, False), [(addr, addr)]),
+        ((1, 2, 64, 4, False), too_many),
+    ):
+        with pytest.raises(ShapeError):
+            _core.cuda_gdn_decode(
+                0, stream, heads, (4096, 4096, 2, 0), 2, EPS, (addr,) * 4, (addr,) * 4, states, addr
+            )
 
 
 @pytest.fixture(scope="module")

@@ -258,10 +258,55 @@ typedef struct ft_cuda_attn_decode_args {
     void *stream;
 } ft_cuda_attn_decode_args;
 
+/* A Gated DeltaNet layer's decode step (one token per sequence) between its projections, in
+ * two kernels instead of the torch path's forty or so small ones. Per sequence s and value
+ * head h (key head kh = h / (v_heads / k_heads) when `grouped`, else h % k_heads), with the
+ * channels (2 k_heads + v_heads) * head_dim of `mixed` ordered q heads, k heads, v heads:
+ *   y = silu(causal conv of mixed over the conv state, tap conv_kernel - 1 on the token)
+ *   q = y_q[kh] / sqrt(|y_q[kh]|^2 + eps) / sqrt(head_dim)
+ *   k = y_k[kh] / sqrt(|y_k[kh]|^2 + eps)
+ *   g = softplus(a_h + dt_bias[h]) * ssm_a[h];  beta = sigmoid(b_h)
+ *   S' = exp(g) S;  S = S' + k (beta (y_v[h] - S'^T k))^T;  o = S^T q
+ *   out[s, h] = o / sqrt(mean(o^2) + eps) * norm * silu(z[s, h])
+ * S is the head's [head_dim (k), head_dim (v)] block of the sequence's delta-rule state and
+ * the conv state [conv_kernel - 1, channels] holds the previous inputs, oldest first; both are
+ * float32 and updated in place. Beta and alpha inputs of value head h sit at
+ * b + s * ba_stride + (h / ba_group) * ba_group_stride + h % ba_group (a alike): ba_group =
+ * v_heads for plain rows, or per key head its group of value heads (a fused projection whose
+ * rows interleave the groups' b and a). The state addresses are host arrays of n_seqs device
+ * pointers, read during the call. */
+#define FT_CUDA_GDN_MAX_SEQS 64
+#define FT_CUDA_GDN_MAX_DIM 256
+typedef struct ft_cuda_gdn_decode_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t grouped;               /* 1: value heads grouped by key head; 0: tiled */
+    int64_t n_seqs;                /* 1..FT_CUDA_GDN_MAX_SEQS */
+    int64_t k_heads, v_heads;      /* v_heads a multiple of k_heads, at most 65535 */
+    int64_t head_dim;              /* 1..FT_CUDA_GDN_MAX_DIM, keys and values alike */
+    int64_t conv_kernel;           /* 2.. */
+    int64_t ba_group;              /* divides v_heads */
+    int64_t mixed_stride, z_stride; /* floats from one sequence's row to the next */
+    int64_t ba_stride, ba_group_stride;
+    float eps;                     /* the L2 norms' and the RMSNorm's */
+    int32_t reserved;
+    const float *mixed;       /* device [n_seqs][mixed_stride]: the qkv projection, pre-conv */
+    const float *z;           /* device [n_seqs][z_stride]: the gate projection, v_heads * head_dim */
+    const float *b, *a;       /* device: beta and alpha inputs (layout above) */
+    const float *conv_weight; /* device [channels, conv_kernel] */
+    const float *dt_bias;     /* device [v_heads] */
+    const float *ssm_a;       /* device [v_heads]: -exp(A_log) */
+    const float *norm;        /* device [head_dim] */
+    float *const *conv_states; /* host [n_seqs] of device [conv_kernel - 1, channels] */
+    float *const *ssm_states;  /* host [n_seqs] of device [v_heads, head_dim, head_dim] */
+    float *out;               /* device [n_seqs, v_heads, head_dim], not overlapping the inputs */
+    void *stream;
+} ft_cuda_gdn_decode_args;
+
 uint32_t ft_cuda_abi_version(void);
 /* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
- * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args, 7 attn_decode_args; 0 if
- * unknown. */
+ * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args, 7 attn_decode_args,
+ * 8 gdn_decode_args; 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -279,6 +324,7 @@ int32_t ft_cuda_attn_decode(const ft_cuda_attn_decode_args *args);
 int32_t ft_cuda_attn_decode_work(int32_t device, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
                                  int64_t head_dim_v, int64_t n_keys, uint64_t *bytes);
 int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args);
+int32_t ft_cuda_gdn_decode(const ft_cuda_gdn_decode_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

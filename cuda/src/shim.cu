@@ -13,6 +13,7 @@
 // them (USE_CUDA_GRAPH adds members). cuda/CMakeLists.txt copies them from the target.
 
 #include "freetoken_cuda.h"
+#include "gdn_decode.cuh"
 
 #include "common.cuh"
 #include "ggml-backend-impl.h"
@@ -856,6 +857,52 @@ static int32_t topk_softmax_locked(const ft_cuda_topk_softmax_args &a) {
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "topk_softmax");
 }
 
+// ---- Gated DeltaNet decode step: conv, norms, gates, delta rule, gated norm (gdn_decode.cuh) ----
+
+static_assert(GDN_MAX_SEQS == FT_CUDA_GDN_MAX_SEQS && GDN_MAX_DIM == FT_CUDA_GDN_MAX_DIM,
+              "gdn_decode.cuh's limits are the ABI's");
+
+static int32_t gdn_decode_locked(const ft_cuda_gdn_decode_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.mixed == nullptr || a.z == nullptr || a.b == nullptr || a.a == nullptr || a.conv_weight == nullptr ||
+        a.dt_bias == nullptr || a.ssm_a == nullptr || a.norm == nullptr || a.conv_states == nullptr ||
+        a.ssm_states == nullptr || a.out == nullptr) {
+        return fail(FT_CUDA_EINVAL, "gdn_decode: null pointer");
+    }
+    const int64_t d = a.head_dim;
+    // Heads first: with them in range the channel count cannot overflow.
+    const bool heads_ok = a.k_heads >= 1 && a.v_heads >= 1 && a.v_heads <= 65535 && a.v_heads % a.k_heads == 0 &&
+                          d >= 1 && d <= FT_CUDA_GDN_MAX_DIM;
+    const int64_t channels = heads_ok ? (2 * a.k_heads + a.v_heads) * d : 1;
+    if (!heads_ok || a.n_seqs < 1 || a.n_seqs > FT_CUDA_GDN_MAX_SEQS || a.conv_kernel < 2 ||
+        a.conv_kernel > INT32_MAX / channels || a.ba_group < 1 || a.v_heads % a.ba_group != 0 ||
+        a.mixed_stride < channels || a.z_stride < a.v_heads * d || a.ba_stride < 0 || a.ba_group_stride < 0 ||
+        !(a.eps >= 0.0f) || a.eps == INFINITY) {
+        return fail(FT_CUDA_ESHAPE,
+                    "gdn_decode: bad sizes (%lld sequences, heads %lld/%lld of %lld, conv %lld, b/a groups of %lld, "
+                    "strides %lld/%lld/%lld/%lld, eps %g)",
+                    (long long)a.n_seqs, (long long)a.k_heads, (long long)a.v_heads, (long long)d,
+                    (long long)a.conv_kernel, (long long)a.ba_group, (long long)a.mixed_stride,
+                    (long long)a.z_stride, (long long)a.ba_stride, (long long)a.ba_group_stride, (double)a.eps);
+    }
+    for (int64_t s = 0; s < a.n_seqs; ++s) {
+        if (a.conv_states[s] == nullptr || a.ssm_states[s] == nullptr) {
+            return fail(FT_CUDA_EINVAL, "gdn_decode: sequence %lld has a null state", (long long)s);
+        }
+    }
+    const gdn_params p = gdn_params_of(a);
+    device_guard dg(a.device);
+    cudaGetLastError();
+    const cudaStream_t stream = as_stream(a.stream);
+    gdn_step_kernel<<<gdn_step_grid(p), GDN_THREADS, 0, stream>>>(p);
+    gdn_finish_kernel<<<gdn_finish_grid(p), GDN_THREADS, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "gdn_decode");
+}
+
 FT_EXPORT uint32_t ft_cuda_abi_version(void) { return FT_CUDA_ABI_VERSION; }
 
 FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
@@ -868,6 +915,7 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 5: return sizeof(ft_cuda_norm_rope_args);
         case 6: return sizeof(ft_cuda_topk_softmax_args);
         case 7: return sizeof(ft_cuda_attn_decode_args);
+        case 8: return sizeof(ft_cuda_gdn_decode_args);
         default: return 0;
     }
 }
@@ -964,6 +1012,10 @@ FT_EXPORT int32_t ft_cuda_attn_decode_work(int32_t device, int64_t n_heads, int6
 
 FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {
     return checked_call("topk_softmax", args, topk_softmax_locked);
+}
+
+FT_EXPORT int32_t ft_cuda_gdn_decode(const ft_cuda_gdn_decode_args *args) {
+    return checked_call("gdn_decode", args, gdn_decode_locked);
 }
 
 FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }

@@ -18,6 +18,8 @@ _HostArray = Buffer | np.ndarray[Any, Any] | torch.Tensor
 __all__ = [
     "CUDA_ABI_VERSION",
     "CUDA_ATTN_MAX_KEYS",
+    "CUDA_GDN_MAX_DIM",
+    "CUDA_GDN_MAX_SEQS",
     "CUDA_TOPK_MAX_EXPERTS",
     "CUDA_TOPK_MAX_K",
     "HANDOFF_ANSWERED",
@@ -54,6 +56,7 @@ __all__ = [
     "cuda_attn_decode_work",
     "cuda_device_info",
     "cuda_expert_matmul",
+    "cuda_gdn_decode",
     "cuda_handoff_routes",
     "cuda_handoff_wait_add",
     "cuda_kernel_for",
@@ -89,6 +92,8 @@ CUDA_ATTN_MAX_KEYS: int
 CUDA_ABI_VERSION: int
 CUDA_TOPK_MAX_EXPERTS: int
 CUDA_TOPK_MAX_K: int
+CUDA_GDN_MAX_SEQS: int
+CUDA_GDN_MAX_DIM: int
 
 @final
 class TypeInfo:
@@ -389,6 +394,18 @@ def cuda_attn_decode(
     work: tuple[int, int],
 ) -> None: ...
 def cuda_attn_decode_work(device: int, sizes: tuple[int, int, int, int, int]) -> int: ...
+def cuda_gdn_decode(
+    device: int,
+    stream: int,
+    heads: tuple[int, int, int, int, bool],
+    strides: tuple[int, int, int, int],
+    ba_group: int,
+    eps: float,
+    inputs: tuple[int, int, int, int],
+    weights: tuple[int, int, int, int],
+    states: list[tuple[int, int]],
+    out: int,
+) -> None: ...
 
 @final
 class Upload:

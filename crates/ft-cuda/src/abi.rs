@@ -14,6 +14,12 @@ pub const ATTN_MAX_KEYS: usize = 262144;
 pub const TOPK_MAX_EXPERTS: usize = 1024;
 /// Routes per token [`crate::Cuda::topk_softmax`] takes at most (`FT_CUDA_TOPK_MAX_K`).
 pub const TOPK_MAX_K: usize = 32;
+/// Sequences one [`crate::Cuda::gdn_decode`] launch takes at most (`FT_CUDA_GDN_MAX_SEQS`):
+/// their state addresses travel in the kernels' parameters.
+pub const GDN_MAX_SEQS: usize = 64;
+/// The largest head [`crate::Cuda::gdn_decode`] takes (`FT_CUDA_GDN_MAX_DIM`): a thread keeps
+/// its share of a state column in registers.
+pub const GDN_MAX_DIM: usize = 256;
 
 pub(crate) const OK: i32 = 0;
 pub(crate) const FLAG_CHECK_IDS: u32 = 1;
@@ -184,6 +190,37 @@ pub(crate) struct RawAttnDecodeArgs {
     pub(crate) stream: *mut c_void,
 }
 
+#[repr(C)]
+pub(crate) struct RawGdnDecodeArgs {
+    pub(crate) struct_size: u64,
+    pub(crate) device: i32,
+    pub(crate) grouped: i32,
+    pub(crate) n_seqs: i64,
+    pub(crate) k_heads: i64,
+    pub(crate) v_heads: i64,
+    pub(crate) head_dim: i64,
+    pub(crate) conv_kernel: i64,
+    pub(crate) ba_group: i64,
+    pub(crate) mixed_stride: i64,
+    pub(crate) z_stride: i64,
+    pub(crate) ba_stride: i64,
+    pub(crate) ba_group_stride: i64,
+    pub(crate) eps: f32,
+    pub(crate) reserved: i32,
+    pub(crate) mixed: *const f32,
+    pub(crate) z: *const f32,
+    pub(crate) b: *const f32,
+    pub(crate) a: *const f32,
+    pub(crate) conv_weight: *const f32,
+    pub(crate) dt_bias: *const f32,
+    pub(crate) ssm_a: *const f32,
+    pub(crate) norm: *const f32,
+    pub(crate) conv_states: *const *mut f32,
+    pub(crate) ssm_states: *const *mut f32,
+    pub(crate) out: *mut f32,
+    pub(crate) stream: *mut c_void,
+}
+
 pub(crate) type FnAbiVersion = unsafe extern "C" fn() -> u32;
 pub(crate) type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 pub(crate) type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -198,10 +235,11 @@ pub(crate) type FnTopkSoftmax = unsafe extern "C" fn(*const RawTopkSoftmaxArgs) 
 pub(crate) type FnAttnDecode = unsafe extern "C" fn(*const RawAttnDecodeArgs) -> i32;
 pub(crate) type FnAttnDecodeWork =
     unsafe extern "C" fn(i32, i64, i64, i64, i64, i64, *mut u64) -> i32;
+pub(crate) type FnGdnDecode = unsafe extern "C" fn(*const RawGdnDecodeArgs) -> i32;
 pub(crate) type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// `(index, C name, size)` of every argument struct, as `ft_cuda_struct_size` numbers them.
-pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 8] {
+pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 9] {
     use std::mem::size_of;
     [
         (0, "ft_cuda_device_info", size_of::<RawDeviceInfo>()),
@@ -224,6 +262,7 @@ pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 8] {
             "ft_cuda_attn_decode_args",
             size_of::<RawAttnDecodeArgs>(),
         ),
+        (8, "ft_cuda_gdn_decode_args", size_of::<RawGdnDecodeArgs>()),
     ]
 }
 
@@ -249,6 +288,8 @@ mod tests {
             ("FT_CUDA_ATTN_MAX_KEYS", ATTN_MAX_KEYS as u64),
             ("FT_CUDA_TOPK_MAX_EXPERTS", TOPK_MAX_EXPERTS as u64),
             ("FT_CUDA_TOPK_MAX_K", TOPK_MAX_K as u64),
+            ("FT_CUDA_GDN_MAX_SEQS", GDN_MAX_SEQS as u64),
+            ("FT_CUDA_GDN_MAX_DIM", GDN_MAX_DIM as u64),
             ("FT_CUDA_ROW_PADDING", ROW_PADDING as u64),
             ("FT_CUDA_MAX_POOL_BLOCKS", MAX_BLOCKS as u64),
             ("FT_CUDA_OK", OK as u64),
@@ -445,6 +486,39 @@ mod tests {
                 out,
                 work,
                 work_bytes,
+                stream
+            ]
+        );
+        layout!(
+            RawGdnDecodeArgs,
+            "ft_cuda_gdn_decode_args",
+            [
+                struct_size,
+                device,
+                grouped,
+                n_seqs,
+                k_heads,
+                v_heads,
+                head_dim,
+                conv_kernel,
+                ba_group,
+                mixed_stride,
+                z_stride,
+                ba_stride,
+                ba_group_stride,
+                eps,
+                reserved,
+                mixed,
+                z,
+                b,
+                a,
+                conv_weight,
+                dt_bias,
+                ssm_a,
+                norm,
+                conv_states,
+                ssm_states,
+                out,
                 stream
             ]
         );

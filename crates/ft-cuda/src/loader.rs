@@ -25,6 +25,7 @@ pub(crate) struct Api {
     pub(crate) topk_softmax: FnTopkSoftmax,
     pub(crate) attn_decode: FnAttnDecode,
     pub(crate) attn_decode_work: FnAttnDecodeWork,
+    pub(crate) gdn_decode: FnGdnDecode,
     pub(crate) last_error: FnLastError,
 }
 
@@ -166,6 +167,7 @@ impl Cuda {
                 topk_softmax: symbol(handle, "ft_cuda_topk_softmax")?,
                 attn_decode: symbol(handle, "ft_cuda_attn_decode")?,
                 attn_decode_work: symbol(handle, "ft_cuda_attn_decode_work")?,
+                gdn_decode: symbol(handle, "ft_cuda_gdn_decode")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;

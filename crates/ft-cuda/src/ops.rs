@@ -205,6 +205,66 @@ impl AttnDecodeShape {
     }
 }
 
+/// A Gated DeltaNet layer's decode step, one token per sequence ([`Cuda::gdn_decode`], the
+/// formulas in `freetoken_cuda.h`): the projections `mixed` (`n_seqs` rows `mixed_stride`
+/// floats apart, `(2 k_heads + v_heads) head_dim` channels), `z` (rows of `v_heads head_dim`)
+/// and the beta/alpha inputs `b`, `a` (value head `h` of row `s` at
+/// `s ba_stride + (h / ba_group) ba_group_stride + h % ba_group`); the layer's weights; per
+/// sequence its conv state `[conv_kernel - 1, channels]` and delta-rule state
+/// `[v_heads, head_dim, head_dim]`, updated in place; `out` `[n_seqs, v_heads, head_dim]`.
+/// Addresses are device memory.
+#[derive(Debug, Clone)]
+pub struct GdnDecode {
+    /// CUDA device index.
+    pub device: i32,
+    /// Query/key heads.
+    pub k_heads: usize,
+    /// Value heads (a multiple of `k_heads`).
+    pub v_heads: usize,
+    /// Value head `h` reads key head `h / (v_heads / k_heads)`; else `h % k_heads`.
+    pub grouped: bool,
+    /// Floats per head, keys and values (at most [`GDN_MAX_DIM`]).
+    pub head_dim: usize,
+    /// The conv's width (at least 2).
+    pub conv_kernel: usize,
+    /// Value heads per group of `b` and `a` (divides `v_heads`).
+    pub ba_group: usize,
+    /// Floats from one sequence's `mixed` row to the next.
+    pub mixed_stride: usize,
+    /// Floats from one sequence's `z` row to the next.
+    pub z_stride: usize,
+    /// Floats from one sequence's `b` (and `a`) row to the next.
+    pub ba_stride: usize,
+    /// Floats from one group of `b` (and `a`) to the next.
+    pub ba_group_stride: usize,
+    /// The L2 norms' and the RMSNorm's epsilon.
+    pub eps: f32,
+    /// The qkv projection, before the conv.
+    pub mixed: usize,
+    /// The gate projection.
+    pub z: usize,
+    /// Beta inputs.
+    pub b: usize,
+    /// Alpha inputs.
+    pub a: usize,
+    /// Conv weights `[channels, conv_kernel]`.
+    pub conv_weight: usize,
+    /// `[v_heads]`.
+    pub dt_bias: usize,
+    /// `[v_heads]`, `-exp(A_log)`.
+    pub ssm_a: usize,
+    /// The RMSNorm weight, `[head_dim]`.
+    pub norm: usize,
+    /// Each sequence's conv state (at most [`GDN_MAX_SEQS`] sequences).
+    pub conv_states: Vec<usize>,
+    /// Each sequence's delta-rule state, as many as `conv_states`.
+    pub ssm_states: Vec<usize>,
+    /// Output.
+    pub out: usize,
+    /// `cudaStream_t`.
+    pub stream: usize,
+}
+
 /// Softmax routing with renormalized top-k ([`Cuda::topk_softmax`]): `n_tokens` rows of
 /// `row_stride` floats of router logits at `logits`, the first `n_experts` of each; outputs
 /// `ids` (int32) and `weights` (float32) `[n_tokens, top_k]`; `counts` (`n_experts` int64, 0
@@ -770,5 +830,104 @@ impl Cuda {
         };
         self.status(rc)?;
         usize::try_from(bytes).map_err(|_| Error::Shape(format!("attn_decode_work: {bytes} bytes")))
+    }
+
+    /// Queues [`GdnDecode`] on its stream: one Gated DeltaNet decode step per sequence, its
+    /// states updated in place.
+    pub fn gdn_decode(&self, a: &GdnDecode) -> Result<()> {
+        self.check_device(a.device)?;
+        check_addrs(&[
+            ("mixed", a.mixed),
+            ("z", a.z),
+            ("b", a.b),
+            ("a", a.a),
+            ("conv_weight", a.conv_weight),
+            ("dt_bias", a.dt_bias),
+            ("ssm_a", a.ssm_a),
+            ("norm", a.norm),
+            ("out", a.out),
+        ])?;
+        for (&c, &s) in a.conv_states.iter().zip(&a.ssm_states) {
+            check_addrs(&[("conv state", c), ("delta-rule state", s)])?;
+        }
+        let n = a.conv_states.len();
+        let (d, heads) = (a.head_dim, a.v_heads);
+        let channels = (2 * a.k_heads + heads).checked_mul(d);
+        let groups = heads.checked_div(a.ba_group).unwrap_or(0);
+        // The last beta/alpha input's offset, within 32-bit element offsets.
+        let ba_last = (n.max(1) - 1)
+            .checked_mul(a.ba_stride)
+            .zip((groups.max(1) - 1).checked_mul(a.ba_group_stride))
+            .and_then(|(r, g)| r.checked_add(g)?.checked_add(a.ba_group))
+            .is_some_and(|e| e <= i32::MAX as usize);
+        let fits = channels.is_some_and(|c| {
+            strided_rows_fit(n, a.mixed_stride, c)
+                && c.checked_mul(a.conv_kernel)
+                    .is_some_and(|e| e <= i32::MAX as usize)
+        }) && strided_rows_fit(n, a.z_stride, heads * d);
+        if !(1..=GDN_MAX_SEQS).contains(&n)
+            || a.ssm_states.len() != n
+            || a.k_heads == 0
+            || !(1..=65535).contains(&heads)
+            || !heads.is_multiple_of(a.k_heads)
+            || !(1..=GDN_MAX_DIM).contains(&d)
+            || a.conv_kernel < 2
+            || a.ba_group == 0
+            || !heads.is_multiple_of(a.ba_group)
+            || !fits
+            || !ba_last
+            || !a.eps.is_finite()
+            || a.eps < 0.0
+        {
+            return Err(Error::Shape(format!(
+                "gdn_decode: {n} sequences (1..={GDN_MAX_SEQS}, {} delta-rule states), heads \
+                 {}/{heads} of {d} (at most {GDN_MAX_DIM}), conv {}, b/a groups of {}, strides \
+                 {}/{}/{}/{}, eps {}",
+                a.ssm_states.len(),
+                a.k_heads,
+                a.conv_kernel,
+                a.ba_group,
+                a.mixed_stride,
+                a.z_stride,
+                a.ba_stride,
+                a.ba_group_stride,
+                a.eps
+            )));
+        }
+        let convs: Vec<*mut f32> = a.conv_states.iter().map(|&p| p as *mut f32).collect();
+        let ssms: Vec<*mut f32> = a.ssm_states.iter().map(|&p| p as *mut f32).collect();
+        let raw = RawGdnDecodeArgs {
+            struct_size: std::mem::size_of::<RawGdnDecodeArgs>() as u64,
+            device: a.device,
+            grouped: a.grouped as i32,
+            n_seqs: n as i64,
+            k_heads: a.k_heads as i64,
+            v_heads: heads as i64,
+            head_dim: d as i64,
+            conv_kernel: a.conv_kernel as i64,
+            ba_group: a.ba_group as i64,
+            mixed_stride: a.mixed_stride as i64,
+            z_stride: a.z_stride as i64,
+            ba_stride: a.ba_stride as i64,
+            ba_group_stride: a.ba_group_stride as i64,
+            eps: a.eps,
+            reserved: 0,
+            mixed: a.mixed as *const f32,
+            z: a.z as *const f32,
+            b: a.b as *const f32,
+            a: a.a as *const f32,
+            conv_weight: a.conv_weight as *const f32,
+            dt_bias: a.dt_bias as *const f32,
+            ssm_a: a.ssm_a as *const f32,
+            norm: a.norm as *const f32,
+            conv_states: convs.as_ptr(),
+            ssm_states: ssms.as_ptr(),
+            out: a.out as *mut f32,
+            stream: a.stream as *mut c_void,
+        };
+        // SAFETY: only queues two kernels (the state address arrays are read during the call
+        // and outlive it); the caller owns device buffers of the sizes stated (checked against
+        // the tensors by the Python layer) for as long as they run.
+        self.status(unsafe { (self.api.gdn_decode)(&raw) })
     }
 }

@@ -7,8 +7,8 @@ use crate::errors::IntoPy;
 use crate::host::{check_disjoint, Dtype, HostArray};
 use freetoken_ggml::GgmlType;
 use ft_cuda::{
-    Activation, AttnDecode, AttnDecodeShape, ExpertMatmul, Handoff, HandoffRoutes, Kernel,
-    MoeLayer, NormRope, TopkSoftmax,
+    Activation, AttnDecode, AttnDecodeShape, ExpertMatmul, GdnDecode, Handoff, HandoffRoutes,
+    Kernel, MoeLayer, NormRope, TopkSoftmax,
 };
 use pyo3::prelude::*;
 
@@ -28,9 +28,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_topk_softmax, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode_work, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_gdn_decode, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
     m.add("CUDA_TOPK_MAX_EXPERTS", ft_cuda::TOPK_MAX_EXPERTS)?;
     m.add("CUDA_TOPK_MAX_K", ft_cuda::TOPK_MAX_K)?;
+    m.add("CUDA_GDN_MAX_SEQS", ft_cuda::GDN_MAX_SEQS)?;
+    m.add("CUDA_GDN_MAX_DIM", ft_cuda::GDN_MAX_DIM)?;
     use ft_cpu::handoff_words as w;
     for (name, value) in [
         ("HANDOFF_WORDS", w::WORDS),
@@ -423,5 +426,58 @@ pub fn cuda_attn_decode_work(
     };
     ft_cuda::runtime()
         .and_then(|rt| rt.attn_decode_work(s))
+        .py_err()
+}
+
+/// One Gated DeltaNet decode step per sequence (`ft_cuda::Cuda::gdn_decode`). `heads` is
+/// (k_heads, v_heads, head_dim, conv_kernel, grouped); `strides` (mixed, z, b/a row, b/a
+/// group) with `ba_group`; `inputs` (mixed, z, b, a); `weights` (conv, dt_bias, ssm_a, norm);
+/// `states` each sequence's (conv state, delta-rule state).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_gdn_decode(
+    device: i32,
+    stream: usize,
+    heads: (usize, usize, usize, usize, bool),
+    strides: (usize, usize, usize, usize),
+    ba_group: usize,
+    eps: f32,
+    inputs: (usize, usize, usize, usize),
+    weights: (usize, usize, usize, usize),
+    states: Vec<(usize, usize)>,
+    out: usize,
+) -> PyResult<()> {
+    let (k_heads, v_heads, head_dim, conv_kernel, grouped) = heads;
+    let (mixed_stride, z_stride, ba_stride, ba_group_stride) = strides;
+    let (mixed, z, b, a) = inputs;
+    let (conv_weight, dt_bias, ssm_a, norm) = weights;
+    let args = GdnDecode {
+        device,
+        k_heads,
+        v_heads,
+        grouped,
+        head_dim,
+        conv_kernel,
+        ba_group,
+        mixed_stride,
+        z_stride,
+        ba_stride,
+        ba_group_stride,
+        eps,
+        mixed,
+        z,
+        b,
+        a,
+        conv_weight,
+        dt_bias,
+        ssm_a,
+        norm,
+        conv_states: states.iter().map(|s| s.0).collect(),
+        ssm_states: states.iter().map(|s| s.1).collect(),
+        out,
+        stream,
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.gdn_decode(&args))
         .py_err()
 }

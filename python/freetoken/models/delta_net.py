@@ -20,7 +20,8 @@ are a loop.
 Around it (:class:`DeltaNetLayer`): the fused ``attn_qkv`` projection through a causal
 depthwise conv1d (its last ``conv_kernel - 1`` inputs are the rolling conv state) and SiLU,
 split into q, k, v; the heads' output RMS-normed per head by ``ssm_norm``, gated by
-``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``.
+``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``. On the GPU a decode step runs
+everything between the projections in two kernels (:func:`~freetoken.runtime.gpu.gdn_decode`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from freetoken.errors import GGUFError
 from freetoken.gguf import GGUFFile
 from freetoken.models.layers import Linear, linear_group, load_vector, rms_norm
+from freetoken.runtime import gpu
 
 __all__ = [
     "CHUNK",
@@ -239,13 +241,16 @@ class DeltaNetLayer:
         return (s.conv_kernel - 1, s.channels), (s.v_heads, s.head_dim, s.head_dim)
 
     def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The beta and alpha inputs ``[T, G, R]`` (views, ``G * R`` value heads; head ``h``
+        at ``[:, h // R, h % R]``): one group of all heads from ``ssm_beta``/``ssm_alpha``,
+        or per key head its value heads' rows of the fused ``ssm_ba``."""
         s = self.shape
         if len(self.ba) == 2:
             b, a = linear_group(self.ba, x)
-            return b, a
+            return b.view(-1, 1, s.v_heads), a.view(-1, 1, s.v_heads)
         r = s.v_heads // s.k_heads
         ba = self.ba[0](x).view(x.shape[0], s.k_heads, 2 * r)
-        return ba[..., :r].reshape(-1, s.v_heads), ba[..., r:].reshape(-1, s.v_heads)
+        return ba[..., :r], ba[..., r:]
 
     def __call__(
         self,
@@ -258,13 +263,39 @@ class DeltaNetLayer:
         sequences ``spans`` of (rows, conv state, delta-rule state); returns it with each
         sequence's new states. A sequence with ``keep_steps`` runs token by token and gets
         the states after each of its tokens (``[n, ...]`` stacks: a verify step's
-        checkpoints)."""
-        s = self.shape
-        d, r = s.head_dim, s.v_heads // s.k_heads
+        checkpoints). A decode step on the GPU (one token per sequence, no checkpoints) runs
+        the fused kernels (:func:`~freetoken.runtime.gpu.gdn_decode`), which update the given
+        states in place and hand them back."""
         mixed, z = linear_group((self.qkv, self.gate), x)
         b, a = self._beta_alpha(x)
-        beta = torch.sigmoid(b)
-        g = F.softplus(a + self.dt) * self.a
+        states = [(conv, ssm) for _, conv, ssm in spans]
+        weights = (self.conv, self.dt, self.a, self.norm)
+        if (
+            all(n == 1 for n, _, _ in spans)
+            and not any(keep_steps or ())
+            and gpu.gdn_decode_fits(mixed, z, b, a, weights, states)
+        ):
+            o = gpu.gdn_decode(mixed, z, b, a, weights, states, self.shape.grouped, eps)
+        else:
+            o, states = self._recurrence(mixed, z, b, a, spans, eps, keep_steps)
+        return self.out(o.reshape(-1, self.shape.value_dim)), states
+
+    def _recurrence(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        spans: list[tuple[int, torch.Tensor, torch.Tensor]],
+        eps: float,
+        keep_steps: list[bool] | None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`__call__` between the projections in torch ops: the gated heads
+        ``[T, v_heads, head_dim]`` and each sequence's new states."""
+        s = self.shape
+        d, r = s.head_dim, s.v_heads // s.k_heads
+        beta = torch.sigmoid(b.reshape(-1, s.v_heads))
+        g = F.softplus(a.reshape(-1, s.v_heads) + self.dt) * self.a
         outs, states, row = [], [], 0
         for j, (n, conv_state, ssm_state) in enumerate(spans):
             keep = bool(keep_steps and keep_steps[j])
@@ -294,5 +325,4 @@ class DeltaNetLayer:
             states.append((conv_state, ssm_state))
             row += n
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        o = rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, d))
-        return self.out(o.reshape(-1, s.value_dim)), states
+        return rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, d)), states

@@ -13,9 +13,10 @@ position is 0), attention is causal and the result is scaled by ``sigmoid(gate)`
 
 Each sequence's cache is a :class:`~freetoken.runtime.recurrent_cache.HybridCache`: keys and
 values of the full-attention layers, the conv and delta-rule states of the others, on the
-model's device. Everything here runs as plain torch ops on either device; a decode step (one
-token per sequence: the recurrent step, no chunks) reads nothing back to the host, so the GPU
-placements capture it as a CUDA graph like any other model's.
+model's device. Everything here runs as plain torch ops on either device, but for a GPU decode
+step's recurrent layers, two fused kernels (:func:`~freetoken.runtime.gpu.gdn_decode`); a
+decode step (one token per sequence: the recurrent step, no chunks) reads nothing back to the
+host, so the GPU placements capture it as a CUDA graph like any other model's.
 """
 
 from __future__ import annotations

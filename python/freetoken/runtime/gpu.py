@@ -13,6 +13,7 @@ runs CPU-only); the other calls raise UnsupportedError.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from freetoken.quant import QType, qtype_id, type_info
 
 __all__ = [
     "ATTN_MAX_KEYS",
+    "GDN_MAX_DIM",
+    "GDN_MAX_SEQS",
     "DeviceInfo",
     "ExpertPool",
     "GpuStatus",
@@ -35,6 +38,8 @@ __all__ = [
     "cpu_only_notice",
     "device_info",
     "expert_matmul",
+    "gdn_decode",
+    "gdn_decode_fits",
     "handoff_routes",
     "handoff_wait_add",
     "host_tensor",
@@ -588,6 +593,112 @@ def attn_decode(
         ),
         work,
     )
+    return out
+
+
+#: Sequences per :func:`gdn_decode` launch (more run in several) and the largest head it takes.
+GDN_MAX_SEQS, GDN_MAX_DIM = _core.CUDA_GDN_MAX_SEQS, _core.CUDA_GDN_MAX_DIM
+
+
+def _rows(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """``t`` has ``shape`` and contiguous rows (the last axis), rows any stride."""
+    return tuple(t.shape) == shape and t.stride(-1) == 1
+
+
+def gdn_decode_fits(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    states: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> bool:
+    """Whether :func:`gdn_decode` takes this decode step: float32 throughout on one GPU; per
+    sequence (one token each) the rows of ``mixed [S, C]`` (``C = (2 Hk + H) D`` channels)
+    and ``z [S, H * D]``, beta and alpha inputs ``b, a [S, G, R]`` of one layout with
+    ``G * R = H``; the weights (conv ``[C, K]``, dt bias ``[H]``, ``a [H]``, norm ``[D]``,
+    contiguous) with ``D`` at most :data:`GDN_MAX_DIM` and ``H`` a multiple of ``Hk``; each
+    sequence's contiguous conv state ``[K - 1, C]`` and delta-rule state ``[H, D, D]``."""
+    conv, dt, ssm_a, norm = weights
+    tensors = [mixed, z, b, a, *weights, *(t for st in states for t in st)]
+    if not all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
+        return False
+    if any(t.device != mixed.device for t in tensors) or conv.dim() != 2 or norm.dim() != 1:
+        return False
+    n, (c, k), h, d = len(states), conv.shape, dt.numel(), norm.numel()
+    k_heads2 = c // d - h if d and c % d == 0 else 0  # 2 Hk
+    return (
+        1 <= n
+        and 1 <= d <= GDN_MAX_DIM
+        and 1 <= h <= 65535
+        and k >= 2
+        and k_heads2 > 0
+        and k_heads2 % 2 == 0
+        and h % (k_heads2 // 2) == 0
+        and all(t.is_contiguous() for t in weights)
+        and tuple(ssm_a.shape) == tuple(dt.shape) == (h,)
+        and _rows(mixed, (n, c))
+        and _rows(z, (n, h * d))
+        and b.dim() == 3
+        and _rows(b, (n, b.shape[1], b.shape[2]))
+        and b.shape[1] * b.shape[2] == h
+        and tuple(a.shape) == tuple(b.shape)
+        and a.stride() == b.stride()
+        and all(
+            cs.is_contiguous()
+            and ss.is_contiguous()
+            and tuple(cs.shape) == (k - 1, c)
+            and tuple(ss.shape) == (h, d, d)
+            for cs, ss in states
+        )
+    )
+
+
+def gdn_decode(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    states: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    grouped: bool,
+    eps: float,
+) -> torch.Tensor:
+    """A Gated DeltaNet layer's decode step between its projections, one token per sequence,
+    in two kernels per :data:`GDN_MAX_SEQS` sequences on the current stream (shapes as
+    :func:`gdn_decode_fits`; the computation in ``freetoken_cuda.h``): the causal conv of
+    ``mixed`` over each conv state, SiLU, the q/k L2 norms, the gates from ``b, a`` and the
+    weights ``(conv, dt_bias, ssm_a, norm)``, the delta rule on each delta-rule state, the
+    gated RMSNorm by ``silu(z)``. Value head ``h`` reads key head ``h // (H / Hk)`` when
+    ``grouped``, else ``h % Hk``; its beta/alpha input is ``b[s, h // R, h % R]``. Both states
+    are updated in place. Returns the normed heads ``[S, H, D]``."""
+    if not gdn_decode_fits(mixed, z, b, a, weights, states):
+        raise ShapeError(
+            f"gdn_decode: mixed {tuple(mixed.shape)}, z {tuple(z.shape)}, b/a "
+            f"{tuple(b.shape)}, conv {tuple(weights[0].shape)}, {len(states)} states: float32 "
+            f"CUDA tensors of one decode step, heads of at most {GDN_MAX_DIM}"
+        )
+    conv, dt, ssm_a, norm = weights
+    dev = mixed.device
+    n, (c, k), h, d = len(states), conv.shape, dt.numel(), norm.numel()
+    out = torch.empty((n, h, d), dtype=torch.float32, device=dev)
+    for i in range(0, n, GDN_MAX_SEQS):
+        rows = slice(i, i + GDN_MAX_SEQS)
+        m = len(states[rows])
+        # A lone row's stride is arbitrary: its width stands in (no next row for b and a).
+        rows_apart = (mixed.stride(0), z.stride(0), b.stride(0)) if m > 1 else (c, h * d, 0)
+        _core.cuda_gdn_decode(
+            _device_index(mixed),
+            _stream(dev),
+            ((c // d - h) // 2, h, d, k, grouped),
+            (*rows_apart, b.stride(1)),
+            b.shape[2],
+            eps,
+            (mixed[rows].data_ptr(), z[rows].data_ptr(), b[rows].data_ptr(), a[rows].data_ptr()),
+            (conv.data_ptr(), dt.data_ptr(), ssm_a.data_ptr(), norm.data_ptr()),
+            [(cs.data_ptr(), ss.data_ptr()) for cs, ss in states[rows]],
+            out[rows].data_ptr(),
+        )
     return out
 
 

@@ -69,12 +69,14 @@ class HybridCache(KVCache):
     def set_state(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Writes recurrent layer ``layer``'s new states (after a step ran it) in place; with
         :attr:`keep_steps` they are the stacks of the states after each of the step's tokens,
-        kept for :meth:`rewind`, and the last one is written."""
+        kept for :meth:`rewind`, and the last one is written. The cache's own tensors (a step
+        that updated them in place) are left as they are."""
         if self.keep_steps:
             self._steps[layer] = (conv, ssm)
             conv, ssm = conv[-1], ssm[-1]
-        self.conv[layer].copy_(conv)
-        self.ssm[layer].copy_(ssm)
+        for mine, new in ((self.conv[layer], conv), (self.ssm[layer], ssm)):
+            if new is not mine:
+                mine.copy_(new)
 
     def _load(
         self, conv: Sequence[torch.Tensor] | None, ssm: Sequence[torch.Tensor] | None
