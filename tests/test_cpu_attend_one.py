@@ -2,7 +2,8 @@
 ``Transformer._attention`` for a single-token step): the same outputs and cached keys and
 values as the torch path it replaces (head norms, RoPE, the cache store, ``layers.attention``),
 position after position, through sliding-window rings that wrap and full caches, NEOX and
-adjacent-pair RoPE; and bad shapes are errors before memory is touched."""
+adjacent-pair RoPE; the CPU RMS norm (``_core.rms_norm``) against its float64 definition;
+and bad shapes are errors before memory is touched."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from freetoken import _core
 from freetoken.errors import ShapeError
 from freetoken.llm import LLM
+from freetoken.models.layers import rms_norm
 from freetoken.models.transformer import Transformer
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.step import Span, Step
@@ -89,3 +91,17 @@ def test_bad_shapes_are_errors() -> None:
         call([1], 2, 4)  # the token's own row not read
     with pytest.raises(ShapeError):
         call([1], 0, 2, torch.zeros(24))  # a short query
+
+
+def test_rms_norm_matches_float64() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 640, generator=gen) * 40
+    w = torch.randn(640, generator=gen)
+    got = rms_norm(x, w, 1e-6)
+    x64 = x.double()
+    want = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ShapeError):
+        _core.rms_norm(x, w[:7], 1e-6, torch.empty(3, 5, 640))  # not whole rows of the weight
+    with pytest.raises(ShapeError):
+        _core.rms_norm(x, w, 1e-6, torch.empty(3, 640))

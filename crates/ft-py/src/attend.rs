@@ -1,4 +1,4 @@
-//! One token's attention on the CPU (`ft_cpu::OneTokenAttention`).
+//! One token's attention on the CPU (`ft_cpu::OneTokenAttention`) and the RMS norm it uses.
 
 use crate::errors::{to_py, IntoPy};
 use crate::host::{check_disjoint, Dtype, HostArray};
@@ -110,4 +110,38 @@ pub fn attend_one(
         }
     })
     .py_err()
+}
+
+/// `out = x / rms(x) * weight` over each row of `x` (float32, rows of `weight.len()`), in
+/// ggml's order (`ft_cpu::rms_norm`). `out` is as large as `x` and overlaps nothing.
+#[pyfunction]
+pub fn rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let x = HostArray::input(x, Dtype::F32, "x")?;
+    let w = HostArray::input(weight, Dtype::F32, "weight")?;
+    let out = HostArray::output(out, Dtype::F32, "out")?;
+    let n = w.len();
+    if n == 0 || !x.len().is_multiple_of(n) {
+        return Err(to_py(Error::Shape(format!(
+            "x of {} values is not a whole number of rows of {n}",
+            x.len()
+        ))));
+    }
+    out.expect_len(x.len(), "x's shape")?;
+    check_disjoint(&[&out], &[&x, &w])?;
+    let (rx, rw, rout) = (x.raw::<f32>(), w.raw::<f32>(), out.raw::<f32>());
+    py.detach(|| {
+        // SAFETY: the arrays outlive the call; `out` is writable and overlaps neither input.
+        let (x, w, out) = unsafe { (rx.slice(), rw.slice(), rout.slice_mut()) };
+        out.copy_from_slice(x);
+        for row in out.chunks_exact_mut(n) {
+            ft_cpu::rms_norm(row, w, eps);
+        }
+    });
+    Ok(())
 }
