@@ -164,9 +164,8 @@ pub fn matmul_group(
             // task's rows go in one call, straight into the output.
             // SAFETY: rows < n index inside ys[i] (n values, checked above), and these rows
             // of weight i belong to this task alone.
-            let y = unsafe {
-                std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len())
-            };
+            let y =
+                unsafe { std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len()) };
             dots[i].dots(&w.data[rows.start * rb..rows.end * rb], acts, y);
             return;
         }
