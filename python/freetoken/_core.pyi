@@ -51,6 +51,7 @@ __all__ = [
     "TypeInfo",
     "Upload",
     "__version__",
+    "attend_one",
     "cpu_kernel_isa",
     "cuda_attn_decode",
     "cuda_attn_decode_work",
@@ -72,6 +73,7 @@ __all__ = [
     "plan_pools",
     "poll_us",
     "quantize",
+    "rms_norm",
     "set_num_threads",
     "type_from_name",
     "type_ids",
@@ -132,6 +134,28 @@ def matmul(weight: QuantWeight, x: _HostArray, y: _HostArray) -> None: ...
 def matmul_group(
     weights: Sequence[QuantWeight], x: _HostArray, ys: Sequence[_HostArray]
 ) -> None: ...
+def attend_one(
+    q: _HostArray,
+    k: _HostArray,
+    v: _HostArray,
+    k_cache: _HostArray,
+    v_cache: _HostArray,
+    write: Sequence[int],
+    read_lo: int,
+    read_hi: int,
+    heads: int,
+    kv_heads: int,
+    q_norm: _HostArray | None,
+    k_norm: _HostArray | None,
+    eps: float,
+    cos: _HostArray | None,
+    sin: _HostArray | None,
+    neox: bool,
+    scale: float,
+    sinks: _HostArray | None,
+    out: _HostArray,
+) -> None: ...
+def rms_norm(x: _HostArray, weight: _HostArray, eps: float, out: _HostArray) -> None: ...
 def set_num_threads(n: int, poll_us: int | None = None) -> None: ...
 def num_threads() -> int: ...
 def poll_us() -> int: ...

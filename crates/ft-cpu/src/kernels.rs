@@ -210,6 +210,11 @@ impl RowDots {
             out.len()
         );
         let n = w.len() / rb;
+        if let ([act], 1) = (acts, passes) {
+            // One token: every row straight into `out`, whatever the count (the per-call
+            // work of a pass, next to the twenty blocks of a 640-column row, had weighed).
+            return self.dots_one(w, act, out);
+        }
         for p in 0..passes {
             let pass = |t: usize| &acts[t][p * ab..(p + 1) * ab];
             // The first pass writes, the others add: the order `VecDot::dot` sums would take.

@@ -3,6 +3,7 @@
 //! host half of the GPU hand-off (hybrid MoE).
 
 mod acts;
+mod attend;
 mod background;
 mod handoff;
 mod isa;
@@ -11,6 +12,7 @@ mod matmul;
 mod moe;
 mod pool;
 
+pub use attend::{rms_norm, LayerCache, OneTokenAttention, Rope};
 pub use background::{Background, Ticket};
 pub use handoff::{
     missed_routes, words as handoff_words, words::WORDS as HANDOFF_WORDS, HandoffBlock,

@@ -159,6 +159,16 @@ pub fn matmul_group(
         let (w, acts, out) = (&ws[i], &act_rows[i], outs[i]);
         let rb = w.kernel.weight_row_bytes();
         let rows = r0..(r0 + per).min(w.n);
+        if t == 1 {
+            // One token reads each row once: no pass needs to stay in the L1 cache, so the
+            // task's rows go in one call, straight into the output.
+            // SAFETY: rows < n index inside ys[i] (n values, checked above), and these rows
+            // of weight i belong to this task alone.
+            let y =
+                unsafe { std::slice::from_raw_parts_mut(out.get().add(rows.start), rows.len()) };
+            dots[i].dots(&w.data[rows.start * rb..rows.end * rb], acts, y);
+            return;
+        }
         let pass_rows = dots[i].pass_rows(t);
         let mut v = vec![0f32; t * pass_rows];
         // A pass's rows stay in the L1 cache while every token reads them.

@@ -2,6 +2,7 @@
 //! protocol (or as CPU torch tensors) and are checked here (`host.rs`); raw addresses cross
 //! only for device memory. The GIL is released around all compute.
 
+mod attend;
 mod cuda;
 mod errors;
 mod gguf;
@@ -34,6 +35,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant::matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant::matmul_group, m)?)?;
+    m.add_function(wrap_pyfunction!(attend::attend_one, m)?)?;
+    m.add_function(wrap_pyfunction!(attend::rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::poll_us, m)?)?;

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from freetoken import _core
 from freetoken.errors import GGUFError, InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.config import ModelConfig
@@ -636,6 +637,8 @@ class Transformer:
             v = vs[0] if vs else k
         else:
             q = blk.wq(h)
+        if blk.wv is not None and k is not None and v is not None and self._one_cpu_token(h, step):
+            return self._attend_one(i, blk, q, k, v, step)
         # OLMoE norms the whole projections before the split into heads; the rest norm heads.
         qn, kn = blk.q_norm, blk.k_norm
         if feat.qk_norm_full:
@@ -664,6 +667,56 @@ class Transformer:
             q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
         return self._attend(i, q, k, v, step, window, blk.sinks, blk.kv_source)
+
+    def _one_cpu_token(self, h: torch.Tensor, step: Step) -> bool:
+        """Whether ``step`` is one token of one sequence whose layer input ``h`` is on the CPU,
+        which
+        :meth:`_attend_one` runs in one call where the layer's features allow."""
+        f = self.feat
+        sp = step.spans
+        return (
+            len(sp) == 1
+            and sp[0].n == 1
+            and isinstance(sp[0].start, int)
+            and h.device.type == "cpu"
+            and not sp[0].cache.v_transposed
+            and not (f.qk_norm_full or f.v_norm or self.cfg.shared_kv_layers)
+            and self.attn_temp is None
+        )
+
+    def _attend_one(
+        self, i: int, blk: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step
+    ) -> torch.Tensor:
+        """:meth:`_attention` from the projections on, for one token on the CPU: the head
+        norms, RoPE, the cache store and the attention in one Rust call."""
+        sp = step.spans[0]
+        assert isinstance(sp.start, int)
+        cos, sin = self._rope_tables(q, step, blk, blk.rope_dim, whole=False)
+        window = self.cfg.sliding_window if blk.swa else 0
+        write, lo, hi = sp.cache.one_token_rows(i, sp.start, window)
+        out = q.new_empty(1, blk.n_heads * blk.head_dim_v)
+        _core.attend_one(
+            q,
+            k,
+            v,
+            sp.cache.k[i],
+            sp.cache.v[i],
+            write,
+            lo,
+            hi,
+            blk.n_heads,
+            blk.n_kv_heads,
+            blk.q_norm,
+            blk.k_norm,
+            self.cfg.norm_eps,
+            cos,
+            sin,
+            self.feat.rope_neox,
+            self.attn_scale,
+            blk.sinks,
+            out,
+        )
+        return out
 
     def _attend(
         self,

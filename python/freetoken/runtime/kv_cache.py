@@ -131,6 +131,24 @@ class KVCache:
             return kc[:end], vc[:, :, :end].permute(2, 0, 1)
         return kc[:end], vc[:end]
 
+    def one_token_rows(self, layer: int, start: int, window: int) -> tuple[list[int], int, int]:
+        """For one token at position ``start`` of ``layer`` (a cache kept as
+        ``[n, heads, dims]``): the rows its key and value go to, and the rows ``lo..hi`` its
+        query attends over, those of :meth:`store` that a ``window`` (0: none) leaves it, as
+        ``layers.attention`` cuts them. Marks the position written, as :meth:`store` does."""
+        end = start + 1
+        ring = self.ring[layer]
+        if ring:
+            self._high = max(self._high, end)
+            first = self.first_key(layer, start)
+            write = [start % ring, start % ring + ring]
+            lo, hi = first % ring, first % ring + end - first
+        else:
+            first, write, lo, hi = 0, [start], 0, end
+        if window:
+            lo += max(0, start - first - window + 1)
+        return write, lo, hi
+
     def first_key(self, layer: int, start: int) -> int:
         """The position of the first key :meth:`store` returns for a step from ``start``:
         0, or for a ring layer the first one the step's first query sees."""

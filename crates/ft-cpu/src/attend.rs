@@ -1,0 +1,431 @@
+//! One token's attention on the CPU in one call: the heads' RMS norms, RoPE, the store of its
+//! key and value into the cache and its query's attention over the cached positions. A decode
+//! step on the CPU ran these as some twenty torch operations a layer, each paying its own
+//! dispatch (microseconds) on vectors of a few hundred values.
+//!
+//! The arithmetic is the torch path's, operation for operation where it decides the rounding
+//! (RoPE: `x cos` and `x' sin` rounded, then added); the norm sums its squares in f64 as
+//! ggml's `rms_norm` does; the dot products and the softmax sum in eight f32 lanes.
+
+use crate::isa::{cpu_isa, CpuIsa};
+use freetoken_ggml::{Error, Result};
+use std::ops::Range;
+
+/// RoPE's rotation of one position: `cos` and `sin` of each of the `n_rot / 2` angles.
+#[derive(Clone, Copy)]
+pub struct Rope<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// NEOX pairs dim `i` with `i + n_rot / 2`; otherwise adjacent dims pair.
+    pub neox: bool,
+}
+
+/// The sizes and the per-head operations of one layer's attention.
+#[derive(Clone, Copy)]
+pub struct OneTokenAttention<'a> {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    /// RMS norm weights over each query head and each key head (before RoPE).
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    pub eps: f32,
+    pub rope: Option<Rope<'a>>,
+    /// The factor on the queries' scores.
+    pub scale: f32,
+    /// Per query head, a logit that joins the softmax's denominator and carries no value.
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// One layer's cache (`rows` positions of `kv_heads` keys and values each), the rows a token
+/// is stored at and the rows its query reads.
+pub struct LayerCache<'a> {
+    pub keys: &'a mut [f32],
+    pub values: &'a mut [f32],
+    pub write: &'a [usize],
+    pub read: Range<usize>,
+}
+
+impl OneTokenAttention<'_> {
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], out: &[f32]) -> Result<()> {
+        let (h, hkv, d, dv) = (self.heads, self.kv_heads, self.head_dim, self.head_dim_v);
+        let shape = |what: &str, got: usize, want: usize| {
+            if got == want {
+                Ok(())
+            } else {
+                Err(Error::Shape(format!(
+                    "{what} has {got} values, expected {want}"
+                )))
+            }
+        };
+        if hkv == 0 || d == 0 || !h.is_multiple_of(hkv) {
+            return Err(Error::Shape(format!(
+                "{h} query heads over {hkv} key heads of {d} dims: the query heads must be a \
+                 positive multiple of the key heads"
+            )));
+        }
+        shape("q", q.len(), h * d)?;
+        shape("k", k.len(), hkv * d)?;
+        shape("v", v.len(), hkv * dv)?;
+        shape("out", out.len(), h * dv)?;
+        for (what, w) in [("q_norm", self.q_norm), ("k_norm", self.k_norm)] {
+            if let Some(w) = w {
+                shape(what, w.len(), d)?;
+            }
+        }
+        if let Some(r) = self.rope {
+            shape("sin", r.sin.len(), r.cos.len())?;
+            if r.cos.is_empty() || 2 * r.cos.len() > d {
+                return Err(Error::Shape(format!(
+                    "RoPE of {} angles on heads of {d} dims",
+                    r.cos.len()
+                )));
+            }
+        }
+        if let Some(s) = self.sinks {
+            shape("sinks", s.len(), h)?;
+        }
+        Ok(())
+    }
+
+    /// Norms and rotates the token's query `q [heads, head_dim]` and key `k [kv_heads,
+    /// head_dim]`, stores the key and `v [kv_heads, head_dim_v]` at each of `cache.write`,
+    /// and writes the query's attention over rows `cache.read` (which must include a written
+    /// row: the token sees itself) to `out [heads, head_dim_v]`.
+    pub fn run(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        cache: LayerCache<'_>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (write, read) = (cache.write, cache.read.clone());
+        self.check(q, k, v, out)?;
+        let (kw, vw) = (
+            self.kv_heads * self.head_dim,
+            self.kv_heads * self.head_dim_v,
+        );
+        let rows = cache.keys.len() / kw;
+        if cache.keys.len() != rows * kw || cache.values.len() != rows * vw {
+            return Err(Error::Shape(format!(
+                "caches of {} keys and {} values are not whole rows of {kw} and {vw}",
+                cache.keys.len(),
+                cache.values.len()
+            )));
+        }
+        if read.is_empty() || read.end > rows || !write.iter().any(|w| read.contains(w)) {
+            return Err(Error::Shape(format!(
+                "rows {read:?} read and {write:?} written in a cache of {rows}: the read range \
+                 must hold a written row"
+            )));
+        }
+        if let Some(w) = write.iter().find(|&&w| w >= rows) {
+            return Err(Error::Shape(format!("row {w} of a cache of {rows}")));
+        }
+        let mut qh = q.to_vec();
+        let mut kh = k.to_vec();
+        for x in qh.chunks_exact_mut(self.head_dim) {
+            self.head(x, self.q_norm);
+        }
+        for x in kh.chunks_exact_mut(self.head_dim) {
+            self.head(x, self.k_norm);
+        }
+        for &w in write {
+            cache.keys[w * kw..(w + 1) * kw].copy_from_slice(&kh);
+            cache.values[w * vw..(w + 1) * vw].copy_from_slice(v);
+        }
+        let keys = &cache.keys[read.start * kw..read.end * kw];
+        let values = &cache.values[read.start * vw..read.end * vw];
+        let avx2 = cpu_isa()? >= CpuIsa::Avx2;
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: the level in use runs on this host, so it has AVX2 and FMA.
+            unsafe { self.attend_avx2(&qh, keys, values, out) };
+            return Ok(());
+        }
+        let _ = avx2;
+        self.attend(&qh, keys, values, out);
+        Ok(())
+    }
+
+    /// One head's norm and rotation, in place.
+    fn head(&self, x: &mut [f32], weight: Option<&[f32]>) {
+        if let Some(w) = weight {
+            rms_norm(x, w, self.eps);
+        }
+        if let Some(r) = self.rope {
+            rotate(x, r);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn attend_avx2(&self, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+        self.attend(q, keys, values, out);
+    }
+
+    /// Each query head's softmax-weighted sum of its key head's values.
+    #[inline(always)]
+    fn attend(&self, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+        let (d, dv, hkv) = (self.head_dim, self.head_dim_v, self.kv_heads);
+        let group = self.heads / hkv;
+        let n = keys.len() / (hkv * d);
+        let mut p = vec![0f32; n];
+        for h in 0..self.heads {
+            let g = h / group;
+            let qs: Vec<f32> = q[h * d..(h + 1) * d]
+                .iter()
+                .map(|x| x * self.scale)
+                .collect();
+            for (j, p) in p.iter_mut().enumerate() {
+                let key = &keys[(j * hkv + g) * d..(j * hkv + g + 1) * d];
+                *p = dot(&qs, key);
+            }
+            let sink = self.sinks.map(|s| s[h]);
+            let max = p
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = sink.map_or(0.0, |s| (s - max).exp());
+            for p in p.iter_mut() {
+                *p = (*p - max).exp();
+                sum += *p;
+            }
+            let o = &mut out[h * dv..(h + 1) * dv];
+            o.fill(0.0);
+            for (j, &p) in p.iter().enumerate() {
+                let val = &values[(j * hkv + g) * dv..(j * hkv + g + 1) * dv];
+                let w = p / sum;
+                o.iter_mut().zip(val).for_each(|(o, v)| *o += w * v);
+            }
+        }
+    }
+}
+
+/// `x . y` in eight lanes, summed pairwise at the end.
+#[inline(always)]
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
+    let tail: f32 = xc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in xc.zip(yc) {
+        for l in 0..8 {
+            acc[l] += a[l] * b[l];
+        }
+    }
+    let [a, b, c, d, e, f, g, h] = acc;
+    ((a + e) + (c + g)) + ((b + f) + (d + h)) + tail
+}
+
+/// RMS norm of one row in place, in ggml's order: the squares summed in f64, their mean as
+/// f32, `x * (1 / sqrt(mean + eps))`, then the weight.
+pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    let sum: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    x.iter_mut()
+        .zip(weight)
+        .for_each(|(x, w)| *x = (*x * scale) * w);
+}
+
+/// RoPE on the first `2 * cos.len()` dims of one head, in place: `x1 cos - x2 sin` and
+/// `x2 cos + x1 sin` for each pair, each product rounded before the sum.
+fn rotate(x: &mut [f32], r: Rope<'_>) {
+    let half = r.cos.len();
+    for (i, (&c, &s)) in r.cos.iter().zip(r.sin).enumerate() {
+        let (a, b) = if r.neox {
+            (i, i + half)
+        } else {
+            (2 * i, 2 * i + 1)
+        };
+        let (x1, x2) = (x[a], x[b]);
+        x[a] = x1 * c - x2 * s;
+        x[b] = x2 * c + x1 * s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The float64 reference of the whole operation, written from its definition.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        a: &OneTokenAttention<'_>,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        keys: &[f32],
+        vals: &[f32],
+        pos: usize,
+        n: usize,
+    ) -> Vec<f64> {
+        let (d, dv, hkv) = (a.head_dim, a.head_dim_v, a.kv_heads);
+        let prep = |x: &[f32], w: Option<&[f32]>| -> Vec<f64> {
+            let mut x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+            if let Some(w) = w {
+                let ms = x.iter().map(|v| v * v).sum::<f64>() / d as f64;
+                let r = 1.0 / (ms + f64::from(a.eps)).sqrt();
+                x.iter_mut()
+                    .zip(w)
+                    .for_each(|(x, &w)| *x *= r * f64::from(w));
+            }
+            if let Some(rope) = a.rope {
+                let half = rope.cos.len();
+                for i in 0..half {
+                    let (p, r) = if rope.neox {
+                        (i, i + half)
+                    } else {
+                        (2 * i, 2 * i + 1)
+                    };
+                    let (c, s) = (f64::from(rope.cos[i]), f64::from(rope.sin[i]));
+                    let (x1, x2) = (x[p], x[r]);
+                    x[p] = x1 * c - x2 * s;
+                    x[r] = x2 * c + x1 * s;
+                }
+            }
+            x
+        };
+        let kh: Vec<Vec<f64>> = k.chunks(d).map(|x| prep(x, a.k_norm)).collect();
+        let mut out = vec![0f64; a.heads * dv];
+        for h in 0..a.heads {
+            let g = h / (a.heads / hkv);
+            let qh = prep(&q[h * d..(h + 1) * d], a.q_norm);
+            let key = |j: usize| -> Vec<f64> {
+                if j == pos {
+                    kh[g].clone()
+                } else {
+                    keys[(j * hkv + g) * d..(j * hkv + g + 1) * d]
+                        .iter()
+                        .map(|&v| f64::from(v))
+                        .collect()
+                }
+            };
+            let val = |j: usize, e: usize| -> f64 {
+                f64::from(if j == pos {
+                    v[g * dv + e]
+                } else {
+                    vals[(j * hkv + g) * dv + e]
+                })
+            };
+            let s: Vec<f64> = (0..n)
+                .map(|j| {
+                    let kj = key(j);
+                    f64::from(a.scale) * qh.iter().zip(&kj).map(|(x, y)| x * y).sum::<f64>()
+                })
+                .collect();
+            let sink = a.sinks.map(|s| f64::from(s[h]));
+            let m = s
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 =
+                s.iter().map(|x| (x - m).exp()).sum::<f64>() + sink.map_or(0.0, |x| (x - m).exp());
+            for e in 0..dv {
+                out[h * dv + e] = (0..n).map(|j| (s[j] - m).exp() / z * val(j, e)).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_the_float64_definition() {
+        let (h, hkv, d, dv, n, pos) = (4, 2, 64, 32, 37, 36);
+        let (cos, sin): (Vec<f32>, Vec<f32>) = (0..24)
+            .map(|i| {
+                let t = 5.0f32 / 10000f32.powf(i as f32 / 24.0);
+                (t.cos(), t.sin())
+            })
+            .unzip();
+        let norm = values(d, 9).iter().map(|x| x + 1.5).collect::<Vec<_>>();
+        let sinks = values(h, 10);
+        for (neox, with_norm, with_sinks) in [(true, true, false), (false, false, true)] {
+            let a = OneTokenAttention {
+                heads: h,
+                kv_heads: hkv,
+                head_dim: d,
+                head_dim_v: dv,
+                q_norm: with_norm.then_some(&norm[..]),
+                k_norm: with_norm.then_some(&norm[..]),
+                eps: 1e-6,
+                rope: Some(Rope {
+                    cos: &cos,
+                    sin: &sin,
+                    neox,
+                }),
+                scale: 0.125,
+                sinks: with_sinks.then_some(&sinks[..]),
+            };
+            let (q, k, v) = (values(h * d, 1), values(hkv * d, 2), values(hkv * dv, 3));
+            let mut keys = values(n * hkv * d, 4);
+            let mut vals = values(n * hkv * dv, 5);
+            let want = reference(&a, &q, &k, &v, &keys, &vals, pos, n);
+            let mut out = vec![0f32; h * dv];
+            let cache = LayerCache {
+                keys: &mut keys,
+                values: &mut vals,
+                write: &[pos],
+                read: 0..n,
+            };
+            a.run(&q, &k, &v, cache, &mut out).unwrap();
+            for (o, w) in out.iter().zip(&want) {
+                assert!((f64::from(*o) - w).abs() < 1e-5, "{o} against {w}");
+            }
+            assert_eq!(&vals[pos * hkv * dv..], &v[..]);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let a = OneTokenAttention {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            head_dim_v: 8,
+            q_norm: None,
+            k_norm: None,
+            eps: 1e-6,
+            rope: None,
+            scale: 1.0,
+            sinks: None,
+        };
+        let (q, k, v) = (vec![0f32; 32], vec![0f32; 16], vec![0f32; 16]);
+        let mut out = vec![0f32; 32];
+        let (mut keys, mut vals) = (vec![0f32; 64], vec![0f32; 64]);
+        let mut run = |write: &[usize], read: Range<usize>, q: &[f32]| {
+            let cache = LayerCache {
+                keys: &mut keys,
+                values: &mut vals,
+                write,
+                read,
+            };
+            a.run(q, &k, &v, cache, &mut out)
+        };
+        assert!(run(&[1], 0..2, &q).is_ok());
+        assert!(run(&[4], 0..4, &q).is_err(), "a row past the cache");
+        assert!(run(&[1], 2..4, &q).is_err(), "the token's own row unread");
+        assert!(run(&[1], 0..5, &q).is_err(), "a read past the cache");
+        assert!(run(&[1], 0..2, &q[..24]).is_err(), "a short query");
+    }
+}
