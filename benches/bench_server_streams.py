@@ -339,8 +339,9 @@ class Server:
 def _server_cmd(engine: str, args: argparse.Namespace, slots: int, port: int) -> list[str]:
     """An engine's command line before its extra flags."""
     # The same KV positions for both: llama-server's -c is the total it splits over its -np
-    # slots, FreeToken's the context of each slot.
-    per_slot = max(args.max_tokens, args.prompt_tokens) + 64
+    # slots, FreeToken's the context of each slot. A multiple of 256: llama-server rounds each
+    # slot's share down to one (4160 became 4096, and a 4096-token prompt was refused).
+    per_slot = -(-(max(args.max_tokens, args.prompt_tokens) + 64) // 256) * 256
     if engine == "freetoken":
         # Its own thread count (the executor's default beside a GPU) unless the extra
         # flags say -t: llama.cpp's best -t is not FreeToken's (benches/README.md).
