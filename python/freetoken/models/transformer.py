@@ -473,15 +473,11 @@ class Transformer:
         """Whether a captured step can run these spans: decode tokens (one per sequence) and
         verify steps (a few tokens of a cache with ``keep_steps``, every logit asked for),
         distinct caches. Prompt chunks run eagerly."""
-        caches = {id(sp.cache) for sp in spans}
-        return (
-            self.graphs is not None
-            and len(spans) <= MAX_BATCH
-            and len(caches) == len(spans)
-            and all(
-                sp.n == 1 or (e and sp.cache.keep_steps and sp.n <= MAX_SPAN)
-                for sp, e in zip(spans, every, strict=True)
-            )
+        if self.graphs is None or len(spans) > MAX_BATCH:
+            return False  # no graphs (the CPU path), or more sequences than a graph takes
+        return len({id(sp.cache) for sp in spans}) == len(spans) and all(
+            sp.n == 1 or (e and sp.cache.keep_steps and sp.n <= MAX_SPAN)
+            for sp, e in zip(spans, every, strict=True)
         )
 
     @staticmethod
