@@ -63,16 +63,43 @@ def test_fused_attention_matches_the_torch_path(
 ) -> None:
     n = 3 * (WINDOW + MAX_STEP)  # rings of WINDOW + MAX_STEP - 1 wrap twice
     cache = model.new_cache(64, max_step=MAX_STEP)
-    assert model._one_cpu_token(torch.zeros(1), Step(torch.tensor([0]), [Span(0, 1, cache)]))
+    step = Step(torch.tensor([0]), [Span(0, 1, cache)])
+    assert model._cpu_one_token_spans(model.blocks[0], torch.zeros(1), step) == [0]
     assert any(cache.ring) == bool(model.feat.swa_pattern)
     got, got_cache = _run(model, n)
     with monkeypatch.context() as m:
-        m.setattr(Transformer, "_one_cpu_token", lambda self, h, step: False)
+        m.setattr(Transformer, "_cpu_one_token_spans", lambda self, blk, h, step: [])
         want, want_cache = _run(model, n)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     for kw, kg in zip(want_cache.k + want_cache.v, got_cache.k + got_cache.v, strict=True):
         torch.testing.assert_close(kg, kw, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_row_is_the_same_beside_a_prompt_and_alone(model: Transformer) -> None:
+    # A sequence's one-token step takes the same call in a step that also runs another
+    # sequence's prompt rows (which take the torch path) as alone: bit-identical rows, so that
+    # concurrent greedy streams follow their solo runs.
+    gen = torch.Generator().manual_seed(11)
+    h_one = torch.randn(1, model.cfg.hidden, generator=gen)
+    h_prompt = torch.randn(4, model.cfg.hidden, generator=gen)
+    alone_cache, mixed_cache = model.new_cache(64), model.new_cache(64)
+    other = model.new_cache(64)
+    for c in (alone_cache, mixed_cache, other):
+        c.reserve(4)
+    alone = Step(torch.tensor([0]), [Span(0, 1, alone_cache)])
+    mixed = Step(torch.tensor([0, 1, 2, 3, 0]), [Span(0, 4, other), Span(0, 1, mixed_cache)])
+    blk = model.blocks[0]
+    assert model._cpu_one_token_spans(blk, h_one, mixed) == [1]
+    want = model._attention(0, blk, h_one, alone)
+    got = model._attention(0, blk, torch.cat([h_prompt, h_one]), mixed)
+    assert torch.equal(got[4:], want)
+    assert torch.equal(mixed_cache.k[0][:1], alone_cache.k[0][:1])
+    # The prompt rows are those of the prompt alone.
+    prompt_cache = model.new_cache(64)
+    prompt_cache.reserve(4)
+    solo = model._attention(0, blk, h_prompt, Step(torch.arange(4), [Span(0, 4, prompt_cache)]))
+    torch.testing.assert_close(got[:4], solo, rtol=0, atol=0)
 
 
 def test_bad_shapes_are_errors() -> None:

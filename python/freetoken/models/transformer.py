@@ -633,8 +633,13 @@ class Transformer:
             v = vs[0] if vs else k
         else:
             q = blk.wq(h)
-        if blk.wv is not None and k is not None and v is not None and self._one_cpu_token(h, step):
-            return self._attend_one(i, blk, q, k, v, step)
+        solo = self._cpu_one_token_spans(blk, h, step) if k is not None else []
+        if len(solo) == len(step.spans):
+            assert k is not None and v is not None
+            return self._attend_one(
+                i, blk, q, k, v, step, solo, q.new_empty(t, blk.n_heads * blk.head_dim_v)
+            )
+        raw = q, k, v
         # OLMoE norms the whole projections before the split into heads; the rest norm heads.
         qn, kn = blk.q_norm, blk.k_norm
         if feat.qk_norm_full:
@@ -662,56 +667,75 @@ class Transformer:
         if self.attn_temp is not None:
             q = q * self._temperature(step, q.dtype)
         window = cfg.sliding_window if blk.swa else 0
-        return self._attend(i, q, k, v, step, window, blk.sinks, blk.kv_source)
+        out = self._attend(i, q, k, v, step, window, blk.sinks, blk.kv_source, set(solo))
+        if solo:
+            assert raw[1] is not None and raw[2] is not None
+            self._attend_one(i, blk, raw[0], raw[1], raw[2], step, solo, out)
+        return out
 
-    def _one_cpu_token(self, h: torch.Tensor, step: Step) -> bool:
-        """Whether ``step`` is one token of one sequence whose layer input ``h`` is on the CPU,
-        which
-        :meth:`_attend_one` runs in one call where the layer's features allow."""
+    def _cpu_one_token_spans(self, blk: Block, h: torch.Tensor, step: Step) -> list[int]:
+        """The spans of ``step`` that :meth:`_attend_one` runs: those of one token, when the
+        layer input ``h`` is on the CPU and the layer's features allow."""
         f = self.feat
-        sp = step.spans
-        return (
-            len(sp) == 1
-            and sp[0].n == 1
-            and isinstance(sp[0].start, int)
-            and h.device.type == "cpu"
-            and not sp[0].cache.v_transposed
+        if not (
+            h.device.type == "cpu"
+            and blk.wv is not None
             and not (f.qk_norm_full or f.v_norm or self.cfg.shared_kv_layers)
             and self.attn_temp is None
-        )
+        ):
+            return []
+        return [
+            s
+            for s, sp in enumerate(step.spans)
+            if sp.n == 1 and isinstance(sp.start, int) and not sp.cache.v_transposed
+        ]
 
     def _attend_one(
-        self, i: int, blk: Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step
+        self,
+        i: int,
+        blk: Block,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        step: Step,
+        spans: list[int],
+        out: torch.Tensor,
     ) -> torch.Tensor:
-        """:meth:`_attention` from the projections on, for one token on the CPU: the head
-        norms, RoPE, the cache store and the attention in one Rust call."""
-        sp = step.spans[0]
-        assert isinstance(sp.start, int)
+        """:meth:`_attention` from the projections ``q, k, v`` on for the one-token ``spans``
+        of ``step`` on the CPU, into their rows of ``out``: the head norms, RoPE, the cache
+        store and the attention in one Rust call per sequence. A sequence takes this call
+        whether it steps alone or beside others, so that batched and solo runs agree to the
+        last bit."""
         cos, sin = self._rope_tables(q, step, blk, blk.rope_dim, whole=False)
         window = self.cfg.sliding_window if blk.swa else 0
-        write, lo, hi = sp.cache.one_token_rows(i, sp.start, window)
-        out = q.new_empty(1, blk.n_heads * blk.head_dim_v)
-        _core.attend_one(
-            q,
-            k,
-            v,
-            sp.cache.k[i],
-            sp.cache.v[i],
-            write,
-            lo,
-            hi,
-            blk.n_heads,
-            blk.n_kv_heads,
-            blk.q_norm,
-            blk.k_norm,
-            self.cfg.norm_eps,
-            cos,
-            sin,
-            self.feat.rope_neox,
-            self.attn_scale,
-            blk.sinks,
-            out,
-        )
+        rows = [0]
+        for sp in step.spans:
+            rows.append(rows[-1] + sp.n)
+        for s in spans:
+            sp, r = step.spans[s], rows[s]
+            assert isinstance(sp.start, int)
+            write, lo, hi = sp.cache.one_token_rows(i, sp.start, window)
+            _core.attend_one(
+                q[r],
+                k[r],
+                v[r],
+                sp.cache.k[i],
+                sp.cache.v[i],
+                write,
+                lo,
+                hi,
+                blk.n_heads,
+                blk.n_kv_heads,
+                blk.q_norm,
+                blk.k_norm,
+                self.cfg.norm_eps,
+                cos[r],
+                sin[r],
+                self.feat.rope_neox,
+                self.attn_scale,
+                blk.sinks,
+                out[r],
+            )
         return out
 
     def _attend(
@@ -724,15 +748,22 @@ class Transformer:
         window: int = 0,
         sinks: torch.Tensor | None = None,
         source: int | None = None,
+        skip: set[int] | None = None,
     ) -> torch.Tensor:
         """Each sequence's rows of ``q [T, heads, dims]`` and, when the layer has its own,
         ``k, v`` (after RoPE): their keys and values stored in cache layer ``layer`` (or,
         without ``k, v``, those of layer ``source`` whose cache this one shares, from this
-        step), their queries attending over them; ``[T, heads * dims_v]``."""
+        step), their queries attending over them; ``[T, heads * dims_v]``. The rows of the
+        spans in ``skip`` are left for the caller to store and fill."""
         src = layer if source is None else source
         outs, row = [], 0
         for s, sp in enumerate(step.spans):
             n = sp.n
+            if skip and s in skip:
+                assert v is not None
+                outs.append(q.new_empty(n, q.shape[1] * v.shape[-1]))
+                row += n
+                continue
             if k is not None and v is not None:
                 k_all, v_all = sp.store(layer, k[row : row + n], v[row : row + n])
                 if self.cfg.shared_kv_layers:
