@@ -29,7 +29,9 @@ class GatedSharedExpert:
         self.gate = load_vector(gguf, p + "ffn_gate_inp_shexp.weight", hidden)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn(x) * torch.sigmoid(x @ self.gate)[:, None]
+        # An elementwise product and a row sum, not `x @ gate`: on the GPU cuBLAS runs a
+        # matrix-vector product of one row as a split-K `addmv` (about 30 us against 3).
+        return self.ffn(x) * torch.sigmoid((x * self.gate).sum(-1, keepdim=True))
 
 
 def ffn_factory(ctx: MoeContext) -> FFNFactory:
