@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Sequence
+from itertools import pairwise
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,56 @@ class ExpertLayer:
         if all(a == start + i * size for i, (a, _) in enumerate(parts)):
             return gpu.host_tensor(start, size * count, self.layer)
         return torch.cat([gpu.host_tensor(a, n, self.layer) for a, n in parts])
+
+    def load(
+        self, pools: Pools, first: int, count: int, slot: int, non_blocking: bool = False
+    ) -> None:
+        """Experts ``first..first+count-1`` of every kind into slots ``slot..`` of ``pools``.
+        A kind whose experts are one host range is one copy. Kinds whose experts lie evenly
+        spaced in one host range they tile together (a fused ``ffn_gate_up_exps``: each
+        expert's gate rows, then its up rows) are one upload of that range and a strided
+        copy per kind on the device: gathering them on the host (:meth:`host`) copies every
+        piece into pageable memory, whose upload cannot overlap compute."""
+        spread = []
+        for kind, pool in enumerate(pools):
+            m = self.kinds[kind]
+            parts = m.ranges[first : first + count]
+            if all(a == parts[0][0] + i * m.nbytes for i, (a, _) in enumerate(parts)):
+                pool.load(slot, self.host(kind, first, count), non_blocking)
+            else:
+                spread.append(kind)
+        if not spread:
+            return
+        region = self._tiled_region(spread, first, count)
+        if region is None:
+            for kind in spread:
+                pools[kind].load(slot, self.host(kind, first, count), non_blocking)
+            return
+        lo, hi = region
+        dev = gpu.host_tensor(lo, hi - lo, self.layer).to(
+            pools[spread[0]].device, non_blocking=non_blocking
+        )
+        for kind in spread:
+            m = self.kinds[kind]
+            a0, stride = m.ranges[first][0], m.ranges[first + 1][0] - m.ranges[first][0]
+            view = dev.as_strided((count, m.nbytes), (stride, 1), a0 - lo)
+            pools[kind].load(slot, view, non_blocking)
+
+    def _tiled_region(self, kinds: list[int], first: int, count: int) -> tuple[int, int] | None:
+        """The host range ``(lo, hi)`` that experts ``first..first+count-1`` of ``kinds``
+        tile with no gap and no overlap, each kind's experts evenly spaced in it; else None."""
+        pieces = []
+        for kind in kinds:
+            m = self.kinds[kind]
+            parts = m.ranges[first : first + count]
+            stride = parts[1][0] - parts[0][0]
+            if any(a != parts[0][0] + i * stride for i, (a, _) in enumerate(parts)):
+                return None
+            pieces += [(a, a + m.nbytes) for a, _ in parts]
+        pieces.sort()
+        if any(b != c for (_, b), (c, _) in pairwise(pieces)):
+            return None
+        return pieces[0][0], pieces[-1][1]
 
 
 def gpu_servable(ex: ExpertLayer) -> bool:
@@ -258,8 +309,7 @@ class _PlannedPools:
             ):
                 j += 1
             ex = self.layers[first.layer]
-            for kind, pool in enumerate(pools):
-                pool.load(first.slot, ex.host(kind, first.expert, j - i), non_blocking)
+            ex.load(pools, first.expert, j - i, first.slot, non_blocking)
             self.uploaded_bytes += ex.expert_nbytes * (j - i)
             i = j
 
@@ -381,8 +431,7 @@ class OffloadExperts(_PlannedPools):
         self.copy_stream.wait_event(buf.free)
         with torch.cuda.stream(self.copy_stream):
             buf.pools = pools = _pools(ex, ex.n_experts, self.device, buf.memory)
-            for kind, pool in enumerate(pools):
-                pool.load(0, ex.host(kind, 0, ex.n_experts), non_blocking=self.pinned)
+            ex.load(pools, 0, ex.n_experts, 0, non_blocking=self.pinned)
             buf.ready.record(self.copy_stream)
         buf.layer = ex.index
         self.uploaded_bytes += ex.expert_nbytes * ex.n_experts

@@ -178,9 +178,13 @@ class ExpertPool:
         return view
 
     def load(self, first_slot: int, raw: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copies whole matrices (a uint8 tensor of a multiple of ``matrix_nbytes``, host or
-        device) into consecutive slots from ``first_slot``."""
-        if raw.dtype != torch.uint8 or raw.numel() % self.matrix_nbytes:
+        """Copies whole matrices (a uint8 tensor of a multiple of ``matrix_nbytes``, or one
+        matrix a row ``[count, matrix_nbytes]`` with any strides; host or device) into
+        consecutive slots from ``first_slot``."""
+        rows = raw.dim() == 2 and raw.shape[1] == self.matrix_nbytes
+        if raw.dtype != torch.uint8 or raw.numel() % self.matrix_nbytes or not (
+            rows or raw.dim() == 1
+        ):
             raise ShapeError(f"pool data must be whole {self.matrix_nbytes}-byte matrices")
         count = raw.numel() // self.matrix_nbytes
         if first_slot < 0 or first_slot + count > self.n_slots:
@@ -188,7 +192,8 @@ class ExpertPool:
                 f"{count} matrices from slot {first_slot} overrun {self.n_slots} slots"
             )
         start = first_slot * self.matrix_nbytes
-        self.tensor[start : start + raw.numel()].copy_(raw, non_blocking=non_blocking)
+        dst = self.tensor[start : start + raw.numel()].view(raw.shape)
+        dst.copy_(raw, non_blocking=non_blocking)
 
     def set_slot(self, slot: int, raw: Any) -> None:
         """Copies one matrix (bytes, a uint8 numpy array or tensor of ``matrix_nbytes``) in."""
