@@ -22,8 +22,8 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Sequence
-from itertools import pairwise
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
