@@ -182,8 +182,10 @@ class ExpertPool:
         matrix a row ``[count, matrix_nbytes]`` with any strides; host or device) into
         consecutive slots from ``first_slot``."""
         rows = raw.dim() == 2 and raw.shape[1] == self.matrix_nbytes
-        if raw.dtype != torch.uint8 or raw.numel() % self.matrix_nbytes or not (
-            rows or raw.dim() == 1
+        if (
+            raw.dtype != torch.uint8
+            or raw.numel() % self.matrix_nbytes
+            or not (rows or raw.dim() == 1)
         ):
             raise ShapeError(f"pool data must be whole {self.matrix_nbytes}-byte matrices")
         count = raw.numel() // self.matrix_nbytes
