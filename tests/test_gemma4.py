@@ -245,3 +245,20 @@ def test_chat_template_renders() -> None:
         pytest.skip(str(e))
     out = render_chat_template(text, TURNS, True, bos_token="<bos>", eos_token="<eos>")
     assert out == WANT
+
+
+def test_preset_context_is_the_released_models() -> None:
+    """``--preset gemma-4-26b-a4b`` writes the context length the pinned tree's gemma-4
+    vocabulary file records (read by gguf-py): a server sized for long prompts caps each slot
+    at the file's ``context_length``."""
+    import argparse
+
+    from freetoken.testmodel import cli
+    from gguf import GGUFReader
+
+    field = GGUFReader(_vocab()).fields["gemma4.context_length"]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--preset", "gemma-4-26b-a4b", "-o", "x.gguf"])
+    cli._apply_preset(args)
+    assert args.ctx == int(field.contents())

@@ -367,6 +367,15 @@ def test_preset_shape_and_overrides() -> None:
     assert (args.arch, args.layers, args.hidden, args.experts, args.top_k) == (
         "qwen35moe", 8, 2048, 256, 8,
     )  # fmt: skip
+    # The released model's context (its config's max_position_embeddings): a server sized
+    # for long prompts caps each slot at the file's context_length.
+    assert args.ctx == 262144
+    given = parser.parse_args(["--preset", "qwen3.5-35b-a3b", "--ctx", "8192", "-o", "x.gguf"])
+    cli._apply_preset(given)
+    assert given.ctx == 8192
+    plain = parser.parse_args(["--arch", "qwen35moe", "-o", "x.gguf"])
+    cli._apply_preset(plain)
+    assert plain.ctx == 4096
     options = {k: getattr(args, k) for k in cli._ARCH_OPTIONS if getattr(args, k) is not None}
     cfg = build_config(
         args.arch, layers=args.layers, hidden=args.hidden, ffn=args.ffn, heads=args.heads,

@@ -44,7 +44,7 @@ SHAPE_PRESETS: dict[str, dict[str, object]] = {
     "gemma-4-26b-a4b": dict(
         arch="gemma4", layers=30, hidden=2816, heads=16, kv_heads=8, head_dim=256,
         head_dim_full=512, kv_heads_full=2, ffn=2112, experts=128, top_k=8, expert_ffn=704,
-        sliding_window=1024, swa_pattern="6", expert_layout="fused",
+        sliding_window=1024, swa_pattern="6", expert_layout="fused", ctx=262144,
     ),
 }  # fmt: skip
 

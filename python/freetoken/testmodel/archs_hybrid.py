@@ -52,13 +52,13 @@ SHAPE_PRESETS: dict[str, dict[str, object]] = {
         arch="qwen35moe", layers=40, hidden=2048, heads=16, kv_heads=2, head_dim=256,
         experts=256, top_k=8, expert_ffn=512, ffn=512, shared_experts=1, linear_k_heads=16,
         linear_v_heads=32, linear_head_dim=128, conv_kernel=4, full_attention_interval=4,
-        rope_dim=64,
+        rope_dim=64, ctx=262144,
     ),
     "qwen3-next-80b-a3b": dict(
         arch="qwen3next", layers=48, hidden=2048, heads=16, kv_heads=2, head_dim=256,
         experts=512, top_k=10, expert_ffn=512, ffn=512, shared_experts=1, linear_k_heads=16,
         linear_v_heads=32, linear_head_dim=128, conv_kernel=4, full_attention_interval=4,
-        rope_dim=64,
+        rope_dim=64, ctx=262144,
     ),
 }  # fmt: skip
 

@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="GGUF to write")
     parser.add_argument(
-        "--ctx", type=int, default=4096, help="context_length metadata (default 4096)"
+        "--ctx", type=int, help="context_length metadata (default: the preset's, else 4096)"
     )
     parser.add_argument("--rope-theta", type=float, help="RoPE base (default: the family's)")
     parser.add_argument("--rms-eps", type=float, help="RMSNorm epsilon (default: the family's)")
@@ -326,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: The shape flags' defaults where neither the flag nor a preset gives a value.
 _SHAPE_DEFAULTS: dict[str, object] = {
     "layers": 2, "hidden": 256, "ffn": 512, "heads": 4, "experts": 0, "top_k": 0,
-    "expert_ffn": 0,
+    "expert_ffn": 0, "ctx": 4096,
 }  # fmt: skip
 
 
