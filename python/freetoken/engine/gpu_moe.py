@@ -122,10 +122,19 @@ class ExpertLayer:
         mapping (contiguous in the stacked layout; per-expert tensors are copied)."""
         m = self.kinds[kind]
         parts = m.ranges[first : first + count]
-        start, size = parts[0][0], m.nbytes
-        if all(a == start + i * size for i, (a, _) in enumerate(parts)):
-            return gpu.host_tensor(start, size * count, self.layer)
+        if self._spacing(kind, first, count) == m.nbytes:
+            return gpu.host_tensor(parts[0][0], m.nbytes * count, self.layer)
         return torch.cat([gpu.host_tensor(a, n, self.layer) for a, n in parts])
+
+    def _spacing(self, kind: int, first: int, count: int) -> int | None:
+        """The host distance between consecutive experts ``first..first+count-1`` of one kind
+        when it is the same for all (one expert: its size), else None."""
+        m = self.kinds[kind]
+        parts = m.ranges[first : first + count]
+        step = parts[1][0] - parts[0][0] if count > 1 else m.nbytes
+        if all(a == parts[0][0] + i * step for i, (a, _) in enumerate(parts)):
+            return step
+        return None
 
     def load(
         self, pools: Pools, first: int, count: int, slot: int, non_blocking: bool = False
@@ -136,43 +145,35 @@ class ExpertLayer:
         expert's gate rows, then its up rows) are one upload of that range and a strided
         copy per kind on the device: gathering them on the host (:meth:`host`) copies every
         piece into pageable memory, whose upload cannot overlap compute."""
-        spread = []
+        spread = [
+            k for k in range(len(pools)) if self._spacing(k, first, count) != self.kinds[k].nbytes
+        ]
+        region = self._tiled_region(spread, first, count) if spread else None
         for kind, pool in enumerate(pools):
-            m = self.kinds[kind]
-            parts = m.ranges[first : first + count]
-            if all(a == parts[0][0] + i * m.nbytes for i, (a, _) in enumerate(parts)):
+            if region is None or kind not in spread:
                 pool.load(slot, self.host(kind, first, count), non_blocking)
-            else:
-                spread.append(kind)
-        if not spread:
-            return
-        region = self._tiled_region(spread, first, count)
         if region is None:
-            for kind in spread:
-                pools[kind].load(slot, self.host(kind, first, count), non_blocking)
             return
         lo, hi = region
         dev = gpu.host_tensor(lo, hi - lo, self.layer).to(
             pools[spread[0]].device, non_blocking=non_blocking
         )
         for kind in spread:
-            m = self.kinds[kind]
-            a0, stride = m.ranges[first][0], m.ranges[first + 1][0] - m.ranges[first][0]
-            view = dev.as_strided((count, m.nbytes), (stride, 1), a0 - lo)
+            # Two or more experts (one is always one range), evenly spaced (`_tiled_region`).
+            (a0, _), (a1, _) = self.kinds[kind].ranges[first : first + 2]
+            view = dev.as_strided((count, self.kinds[kind].nbytes), (a1 - a0, 1), a0 - lo)
             pools[kind].load(slot, view, non_blocking)
 
     def _tiled_region(self, kinds: list[int], first: int, count: int) -> tuple[int, int] | None:
-        """The host range ``(lo, hi)`` that experts ``first..first+count-1`` of ``kinds``
-        tile with no gap and no overlap, each kind's experts evenly spaced in it; else None."""
-        pieces = []
-        for kind in kinds:
-            m = self.kinds[kind]
-            parts = m.ranges[first : first + count]
-            stride = parts[1][0] - parts[0][0]
-            if any(a != parts[0][0] + i * stride for i, (a, _) in enumerate(parts)):
-                return None
-            pieces += [(a, a + m.nbytes) for a, _ in parts]
-        pieces.sort()
+        """The host range ``(lo, hi)`` that experts ``first..first+count-1`` of ``kinds`` tile
+        with no gap and no overlap, each kind's experts evenly spaced in it; else None."""
+        if any(self._spacing(kind, first, count) is None for kind in kinds):
+            return None
+        pieces = sorted(
+            (a, a + self.kinds[kind].nbytes)
+            for kind in kinds
+            for a, _ in self.kinds[kind].ranges[first : first + count]
+        )
         if any(b != c for (_, b), (c, _) in pairwise(pieces)):
             return None
         return pieces[0][0], pieces[-1][1]
