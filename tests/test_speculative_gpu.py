@@ -3,24 +3,28 @@ experts): greedy tokens with speculation equal those without on the same strateg
 after prompts of two lengths, for the model's own MTP head (glm4moe, and the Gated DeltaNet
 hybrids where a GPU placement takes them), a draft-model pair (the target's weights at a
 coarser quantization) and n-gram drafts. The verify step is one forward step of N + 1 tokens
-through the strategy."""
+through the strategy. The MTP head's layer runs on the trunk's GPU, teacher-forced against the
+same head on the CPU engine."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.engine.spec_options import SpecOptions  # noqa: E402
+from freetoken.engine.speculative import MtpDrafter  # noqa: E402
 from freetoken.errors import FileAccessError, UnsupportedError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
 from freetoken.testmodel import make_test_model  # noqa: E402
 from freetoken.testmodel.vocab import llama_tree  # noqa: E402
+from teacher_forced import compare  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -86,3 +90,33 @@ def test_gpu_greedy_with_speculation_equals_plain(
     for prompt in PROMPTS:
         assert _greedy(fast, prompt) == _greedy(plain, prompt)
         assert fast.last_stats.spec is not None
+
+
+def _head_logits(llm: LLM, tokens: list[int], hidden: torch.Tensor) -> np.ndarray:
+    """The MTP head's logits teacher-forced on ``tokens``: each token paired with the trunk's
+    final hidden state ``hidden`` of the position before, as ``MtpDrafter.observe`` pairs
+    them."""
+    assert llm.drafters is not None
+    drafter = llm.drafters(len(tokens) + 1)
+    assert isinstance(drafter, MtpDrafter)
+    before = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+    logits, _ = drafter.head.forward(tokens, before, drafter.cache)
+    return logits.cpu().numpy()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model", ["glm4moe-mtp", "qwen35moe-mtp"])
+def test_gpu_mtp_head_matches_the_cpu_head(
+    strategy: str, model: str, files: dict[str, Path]
+) -> None:
+    spec = SpecOptions(spec_type="draft-mtp")
+    cpu = LLM(files[model], n_ctx=512, engine=EngineOptions(device="cpu"), spec=spec)
+    tokens = PROMPTS[1]
+    hidden: list[torch.Tensor] = []  # the CPU engine's trunk feeds both heads
+    cpu.model.forward_batch([(tokens, cpu.model.new_cache(len(tokens)))], hidden=hidden)
+    gpu = _llm(files[model], strategy, spec)
+    drafter = gpu.drafters(8) if gpu.drafters is not None else None
+    assert isinstance(drafter, MtpDrafter) and drafter.head.device.type == "cuda"
+    ref = _head_logits(cpu, tokens, hidden[0])
+    c = compare(ref, _head_logits(gpu, tokens, hidden[0]))
+    assert not c.mismatches and c.mean_kl <= 0.005, c.describe()

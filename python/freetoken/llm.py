@@ -144,11 +144,12 @@ class LLM:
             draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
             check_draft_vocab(self.gguf, draft_gguf)
             self.draft = load_model(draft_gguf, None, moe_threads)
-        #: Makes a sequence's drafter (None: no speculative decoding).
-        self.drafters: Callable[[], Drafter] | None = None
+        #: Makes a sequence's drafter for a context of the tokens given (None: no
+        #: speculative decoding).
+        self.drafters: Callable[[int], Drafter] | None = None
         if self.spec.enabled:
             self.drafters = drafter_factory(
-                self.spec, self.model, self.gguf, self.n_ctx, self.draft
+                self.spec, self.model, self.gguf, self.draft, self.placement
             )
         self._drafter: Drafter | None = None
         # Allocated on first use: the server brings its own caches.
@@ -213,7 +214,7 @@ class LLM:
         if self._cache is None:
             self._cache = self.model.new_cache(self.n_ctx, max_step=PROMPT_CHUNK)
             if self.drafters is not None:
-                self._drafter = self.drafters()
+                self._drafter = self.drafters(self.n_ctx)
         common = self._cache.truncate(common)
         if self._drafter is not None:
             self._drafter.rewind(common)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,7 +49,10 @@ from freetoken.runtime.cuda_graph import GraphDecoder
 from freetoken.runtime.moe import MoeContext, MoeFFN
 from freetoken.runtime.slots import CachePlan, plan_pools
 
-__all__ = ["Placement", "place_on_gpu"]
+if TYPE_CHECKING:
+    from freetoken.models.mtp import MtpHead
+
+__all__ = ["Placement", "place_mtp_head", "place_on_gpu"]
 
 log = logging.getLogger("freetoken")
 
@@ -326,6 +329,35 @@ def place_on_gpu(
     model.graphs = GraphDecoder(model) if place.graphs else None
     log.info("%s", place.describe())
     return place
+
+
+def place_mtp_head(head: MtpHead, place: Placement) -> None:
+    """Moves a multi-token-prediction head onto its trunk's GPU (``place``): the dense parts
+    as the trunk's, the layer's experts resident in pools of their own when they fit in the
+    free memory beside the workspace (as llama.cpp's ``--n-cpu-moe`` keeps the layers past
+    the trunk on the GPU), else on the CPU executor; under ``--moe-strategy cpu`` the
+    experts stay on the CPU as the trunk's. The head's experts count in no audit."""
+    model, dev = head.model, place.device
+    mover = _Mover(dev, place.dense)
+    for name in ("eh_proj", "enorm", "hnorm", "head_norm", "block"):
+        setattr(head, name, mover(getattr(head, name)))
+    if head.head is not model.output:
+        head.head = mover(head.head)
+        head.head_device = dev
+    shared = head.embed.name == model.embed.name
+    head.embed = model.embed if shared else GpuEmbedding(head.embed, dev)  # type: ignore[assignment]
+    for ffn in mover.moe:
+        ex = ExpertLayer.of(ffn)
+        experts = None
+        if place.strategy != "cpu" and gpu_servable(ex):
+            free = torch.cuda.mem_get_info(dev)[0] - WORKSPACE_BYTES
+            plan = plan_pools([ex.spec()], 1 << 62)  # every expert resident
+            if plan.all_bytes <= free:
+                experts = ResidentExperts([ex], plan, dev)
+        _place_moe(ffn, mover, ex if experts is not None else None, experts, None)
+        where = "resident on the GPU" if experts is not None else "on the CPU executor"
+        log.info("MTP head: layer %d's experts %s", ex.index, where)
+    head.device = dev
 
 
 def _place_moe(

@@ -36,6 +36,7 @@ from freetoken.runtime.sampler import Sampler
 from freetoken.runtime.speculative import ngram_draft
 
 if TYPE_CHECKING:
+    from freetoken.engine.placement import Placement
     from freetoken.gguf import GGUFFile
     from freetoken.models.mtp import MtpHead
     from freetoken.models.transformer import Transformer
@@ -158,14 +159,14 @@ class MtpDrafter:
     def __init__(self, head: MtpHead, n_ctx: int) -> None:
         self.head = head
         self.cache = head.new_cache(n_ctx)
-        #: The target's final hidden state per position (on the CPU, with the head).
-        self.hidden = torch.zeros(n_ctx, head.model.cfg.hidden)
+        #: The target's final hidden state per position (on the head's device).
+        self.hidden = torch.zeros(n_ctx, head.model.cfg.hidden, device=head.device)
 
     def observe(self, tokens: list[int], start: int, hidden: torch.Tensor | None) -> None:
         """Runs the head on the target's step: each token with the hidden state before it."""
         assert hidden is not None
         self.cache.truncate(start)
-        hidden = hidden.cpu()
+        hidden = hidden.to(self.head.device)
         before = self.hidden[start - 1 : start] if start else torch.zeros_like(self.hidden[:1])
         self.head.advance(tokens, torch.cat([before, hidden[:-1]]), self.cache)
         self.hidden[start : start + len(tokens)] = hidden
@@ -204,22 +205,27 @@ def drafter_factory(
     opts: SpecOptions,
     model: Transformer,
     gguf: GGUFFile,
-    n_ctx: int,
     draft: Transformer | None = None,
-) -> Callable[[], Drafter]:
-    """Makes the drafters of ``opts`` for sequences of ``n_ctx`` tokens of the target
-    ``model`` (``gguf``); ``draft`` is the loaded draft model of ``draft-simple``. What the
-    sequences share (the MTP head's weights) is loaded here, once: InvalidInputError when
+    placement: Placement | None = None,
+) -> Callable[[int], Drafter]:
+    """Makes the drafters of ``opts`` (each for a sequence of the ``n_ctx`` tokens it is
+    called with) of the target ``model`` (``gguf``); ``draft`` is the loaded draft model of
+    ``draft-simple``. What the sequences share (the MTP head's weights) is loaded here, once,
+    and goes to the trunk's GPU where ``placement`` put the trunk: InvalidInputError when
     the file has no MTP layer."""
     if opts.spec_type == "ngram-simple":
-        return lambda: NgramDrafter(opts)
+        return lambda n_ctx: NgramDrafter(opts)
     if opts.spec_type == "draft-mtp":
         from freetoken.models.mtp import MtpHead
 
         head = MtpHead(model, gguf)
-        return lambda: MtpDrafter(head, n_ctx)
+        if placement is not None:
+            from freetoken.engine.placement import place_mtp_head
+
+            place_mtp_head(head, placement)
+        return lambda n_ctx: MtpDrafter(head, n_ctx)
     assert opts.spec_type == "draft-simple" and draft is not None
-    return lambda: ModelDrafter(draft, n_ctx)
+    return lambda n_ctx: ModelDrafter(draft, n_ctx)
 
 
 def check_draft_vocab(target: GGUFFile, draft: GGUFFile) -> None:

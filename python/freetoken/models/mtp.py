@@ -8,10 +8,12 @@ hidden size, one decoder layer of the family runs on it (full attention over its
 such pairs, then the family's feed-forward, MoE included), and ``shared_head_norm`` (else the
 output norm) and ``shared_head_head`` (else the output projection) give the logits of the
 token at ``p + 1`` and the hidden state a following draft step pairs with its token.
-``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head's layer
-runs on the CPU (its experts through the CPU executor), wherever the trunk runs; its logits
-come from the trunk's output projection where the file has no ``shared_head_head``, on the
-trunk's device: the largest matrix is neither read on the CPU per draft token nor copied."""
+``nextn.embed_tokens`` replaces the token embeddings where the file has it. The head loads on
+the CPU; with the trunk on a GPU, placement moves its layer there too
+(``engine/placement.py``, :func:`~freetoken.engine.placement.place_mtp_head`), so that a draft
+token is a few small GPU launches rather than a layer on the CPU. Its logits come from the
+trunk's output projection where the file has no ``shared_head_head``, on the trunk's device:
+the largest matrix is neither read on the CPU per draft token nor copied."""
 
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ class MtpHead:
             )
         h, v = cfg.hidden, cfg.vocab_size
         self.model = model
+        #: Where the head's layer runs (set by placement).
+        self.device = torch.device("cpu")
         self.eh_proj = Linear(gguf, p + "eh_proj", (h, 2 * h))
         self.enorm = load_vector(gguf, p + "enorm.weight", h)
         self.hnorm = load_vector(gguf, p + "hnorm.weight", h)
-        # The head's own copies (on the CPU, where the head runs): the trunk's may be on a GPU.
+        # The head's own copies, on the CPU until placement moves them with the layer.
         name = p + "shared_head_norm.weight"
         self.head_norm = load_vector(gguf, name if name in gguf else "output_norm.weight", h)
         name = p + "shared_head_head"
@@ -57,8 +61,9 @@ class MtpHead:
         self.block = model.mtp_block(gguf, i)
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        """An empty cache of the head's attention for one sequence (on the CPU)."""
-        return KVCache(1, n_ctx, *self.model.mtp_kv_shape())
+        """An empty cache of the head's attention for one sequence, on the head's device."""
+        gpu = self.device.type == "cuda"
+        return KVCache(1, n_ctx, *self.model.mtp_kv_shape(), device=self.device, v_transposed=gpu)
 
     @torch.inference_mode()
     def forward(
@@ -67,7 +72,7 @@ class MtpHead:
         """Runs ``tokens`` (at the cache's next positions) paired with the trunk's hidden
         states of the positions before them ``hidden [T, hidden]``; returns the float32
         logits ``[T, vocab]`` (on :attr:`head_device`) and the head's hidden states
-        ``[T, hidden]`` (host)."""
+        ``[T, hidden]`` (on :attr:`device`)."""
         out = self.advance(tokens, hidden, cache)
         return self.head(out.to(self.head_device)).float(), out
 
@@ -80,9 +85,10 @@ class MtpHead:
         n = len(tokens)
         start = cache.reserve(n)
         e = self.embed(self.embed.lookup(tokens))
-        h = rms_norm(hidden.cpu(), self.hnorm, eps)
+        h = rms_norm(hidden.to(self.device), self.hnorm, eps)
         x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
-        step = Step(torch.arange(start, start + n), [Span(start, n, cache)])
+        pos = torch.arange(start, start + n, device=self.device)
+        step = Step(pos, [Span(start, n, cache)])
         x = m._layer(0, self.block, x, step)
         cache.commit(n)
         return rms_norm(x, self.head_norm, eps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -200,12 +201,7 @@ def build_state(
     metrics = ServerMetrics(lambda: holder["state"].status())
     metrics.registry.add_source(_moe_counters(llm.model))
     metrics.registry.add_source(_expert_placement(llm))
-    if llm.drafters is not None and n_ctx != llm.n_ctx:
-        from freetoken.engine.speculative import drafter_factory
-
-        drafters = drafter_factory(llm.spec, llm.model, llm.gguf, n_ctx, llm.draft)
-    else:
-        drafters = llm.drafters
+    drafters = None if llm.drafters is None else functools.partial(llm.drafters, n_ctx)
     scheduler = Scheduler(
         llm.model,
         llm.tokenizer,
