@@ -45,7 +45,7 @@ from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
 from freetoken.runtime import gpu
-from freetoken.runtime.cuda_graph import GraphDecoder
+from freetoken.runtime.cuda_graph import MAX_SPAN, GraphDecoder
 from freetoken.runtime.moe import MoeContext, MoeFFN
 from freetoken.runtime.slots import CachePlan, plan_pools
 
@@ -336,7 +336,8 @@ def place_mtp_head(head: MtpHead, place: Placement) -> None:
     as the trunk's, the layer's experts resident in pools of their own when they fit in the
     free memory beside the workspace (as llama.cpp's ``--n-cpu-moe`` keeps the layers past
     the trunk on the GPU), else on the CPU executor; under ``--moe-strategy cpu`` the
-    experts stay on the CPU as the trunk's. The head's experts count in no audit."""
+    experts stay on the CPU as the trunk's. Without the CPU executor the head's steps are
+    CUDA graphs. The head's experts count in no audit."""
     model, dev = head.model, place.device
     mover = _Mover(dev, place.dense)
     for name in ("eh_proj", "enorm", "hnorm", "head_norm", "block"):
@@ -358,6 +359,10 @@ def place_mtp_head(head: MtpHead, place: Placement) -> None:
         where = "resident on the GPU" if experts is not None else "on the CPU executor"
         log.info("MTP head: layer %d's experts %s", ex.index, where)
     head.device = dev
+    # Its steps are graphs unless they wait for the CPU executor.
+    if all(isinstance(ffn.backend, GpuExperts) for ffn in mover.moe):
+        head.paired = torch.zeros(MAX_SPAN, model.cfg.hidden, device=dev)
+        head.graphs = GraphDecoder(head)
 
 
 def _place_moe(

@@ -23,6 +23,7 @@ from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.models.layers import Embedding, Linear, load_vector, rms_norm
 from freetoken.models.transformer import Transformer
+from freetoken.runtime.cuda_graph import MAX_SPAN, GraphDecoder
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.step import Span, Step
 
@@ -44,8 +45,11 @@ class MtpHead:
             )
         h, v = cfg.hidden, cfg.vocab_size
         self.model = model
-        #: Where the head's layer runs (set by placement).
+        #: Where the head's layer runs, and its steps as CUDA graphs with their static
+        #: paired hidden states ``[MAX_SPAN, hidden]`` (set by placement).
         self.device = torch.device("cpu")
+        self.graphs: GraphDecoder | None = None
+        self.paired: torch.Tensor | None = None
         self.eh_proj = Linear(gguf, p + "eh_proj", (h, 2 * h))
         self.enorm = load_vector(gguf, p + "enorm.weight", h)
         self.hnorm = load_vector(gguf, p + "hnorm.weight", h)
@@ -72,23 +76,59 @@ class MtpHead:
         """Runs ``tokens`` (at the cache's next positions) paired with the trunk's hidden
         states of the positions before them ``hidden [T, hidden]``; returns the float32
         logits ``[T, vocab]`` (on :attr:`head_device`) and the head's hidden states
-        ``[T, hidden]`` (on :attr:`device`)."""
-        out = self.advance(tokens, hidden, cache)
-        return self.head(out.to(self.head_device)).float(), out
+        ``[T, hidden]`` (on :attr:`device`). Steps of up to ``MAX_SPAN`` tokens replay a
+        CUDA graph where placement made :attr:`graphs`; both results are then the graph's
+        outputs, valid until the head's next step."""
+        n = len(tokens)
+        ids = self.embed.lookup(tokens)  # checks the ids
+        if self.graphs is not None and n <= MAX_SPAN:
+            assert self.paired is not None
+            self.paired[:n].copy_(hidden)
+            out = self.graphs.step([(tokens, cache)], keep_hidden=True)
+            assert out is not None and out[1] is not None  # one cache: captured at once
+            return out[0], out[1]
+        step = self._step(cache, n)
+        logits = self._pass(ids, hidden.to(self.device), step, logits=True)
+        cache.commit(n)
+        assert logits is not None and step.hidden is not None
+        return logits, step.hidden
 
     @torch.inference_mode()
     def advance(self, tokens: list[int], hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """:meth:`forward` without the logits: the head's cache takes ``tokens`` and the
-        head's hidden states ``[T, hidden]`` come back (the target's step shown to the head,
-        whose logits nobody reads)."""
-        m, eps = self.model, self.model.cfg.norm_eps
+        """:meth:`forward` without the logits where no graph runs: the head's cache takes
+        ``tokens`` and the head's hidden states ``[T, hidden]`` come back (the target's
+        step shown to the head, whose logits nobody reads: on the CPU the output projection
+        is the largest read of all)."""
         n = len(tokens)
-        start = cache.reserve(n)
-        e = self.embed(self.embed.lookup(tokens))
-        h = rms_norm(hidden.to(self.device), self.hnorm, eps)
-        x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
-        pos = torch.arange(start, start + n, device=self.device)
-        step = Step(pos, [Span(start, n, cache)])
-        x = m._layer(0, self.block, x, step)
+        if self.graphs is not None and n <= MAX_SPAN:
+            return self.forward(tokens, hidden, cache)[1]
+        step = self._step(cache, n)
+        self._pass(self.embed.lookup(tokens), hidden.to(self.device), step, logits=False)
         cache.commit(n)
-        return rms_norm(x, self.head_norm, eps)
+        assert step.hidden is not None
+        return step.hidden
+
+    def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor:
+        """The head's pass on tensors, what :attr:`graphs` capture (their ``Decoder``):
+        token ids ``[T]`` paired with the first ``T`` rows of :attr:`paired`; every row's
+        logits (``rows`` is not used) and, in ``step.hidden``, its hidden state."""
+        assert self.paired is not None
+        logits = self._pass(tokens, self.paired[: tokens.shape[0]], step, logits=True)
+        assert logits is not None
+        return logits
+
+    def _step(self, cache: KVCache, n: int) -> Step:
+        start = cache.reserve(n)
+        pos = torch.arange(start, start + n, device=self.device)
+        return Step(pos, [Span(start, n, cache)], keep_hidden=True)
+
+    def _pass(
+        self, ids: torch.Tensor, hidden: torch.Tensor, step: Step, logits: bool
+    ) -> torch.Tensor | None:
+        m, eps = self.model, self.model.cfg.norm_eps
+        e = self.embed(ids)
+        h = rms_norm(hidden, self.hnorm, eps)
+        x = self.eh_proj(torch.cat([rms_norm(e, self.enorm, eps), h], -1))
+        x = m._layer(0, self.block, x, step)
+        step.hidden = out = rms_norm(x, self.head_norm, eps)
+        return self.head(out.to(self.head_device)).float() if logits else None
