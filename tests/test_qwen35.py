@@ -25,11 +25,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from freetoken.errors import FreeTokenError
+from freetoken.errors import FreeTokenError, ShapeError
 from freetoken.gguf import GGUFFile
 from freetoken.llm import LLM, PROMPT_CHUNK
 from freetoken.models import load_model
-from freetoken.models.delta_net import causal_conv, delta_rule_chunked, delta_rule_step
+from freetoken.models.delta_net import (
+    causal_conv,
+    delta_rule_chunked,
+    delta_rule_decode,
+    delta_rule_step,
+)
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.recurrent_cache import HybridCache
 from gguf import GGUFValueType
@@ -113,6 +118,21 @@ def test_delta_rule_chunked_and_step_match_float64(t: int) -> None:
         o, s = delta_rule_step(*(x[:, i : i + 1] for x in (q, k, v, g, beta)), s)
         outs.append(o)
     np.testing.assert_allclose(torch.cat(outs, 1).numpy(), ref_o, atol=2e-5)
+    # And through the CPU's one-call step, the state updated in place.
+    s = s0.clone()
+    outs = [delta_rule_decode(*(x[:, i : i + 1] for x in (q, k, v, g, beta)), s) for i in range(t)]
+    np.testing.assert_allclose(torch.cat(outs, 1).numpy(), ref_o, atol=2e-5)
+    np.testing.assert_allclose(s.numpy(), ref_s, atol=2e-5)
+
+
+def test_delta_rule_decode_checks_sizes() -> None:
+    h, d = 2, 8
+    q, k, v = (torch.zeros(h, 1, d) for _ in range(3))
+    g, beta = torch.zeros(h, 1), torch.zeros(h, 1)
+    with pytest.raises(ShapeError, match="state has 120 values, 128 expected"):
+        delta_rule_decode(q, k, v, g, beta, torch.zeros(h * d * d - 8))
+    with pytest.raises(ShapeError, match="k has 14 values, 16 expected"):
+        delta_rule_decode(q, k[:, :, :7], v, g, beta, torch.zeros(h, d, d))
 
 
 def test_causal_conv_matches_torch_conv1d() -> None:

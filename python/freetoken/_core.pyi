@@ -66,6 +66,7 @@ __all__ = [
     "cuda_pool_nbytes",
     "cuda_status",
     "cuda_topk_softmax",
+    "delta_rule_step",
     "dequantize",
     "matmul",
     "matmul_group",
@@ -156,6 +157,15 @@ def attend_one(
     out: _HostArray,
 ) -> None: ...
 def rms_norm(x: _HostArray, weight: _HostArray, eps: float, out: _HostArray) -> None: ...
+def delta_rule_step(
+    q: _HostArray,
+    k: _HostArray,
+    v: _HostArray,
+    g: _HostArray,
+    beta: _HostArray,
+    state: _HostArray,
+    out: _HostArray,
+) -> None: ...
 def set_num_threads(n: int, poll_us: int | None = None) -> None: ...
 def num_threads() -> int: ...
 def poll_us() -> int: ...

@@ -5,6 +5,7 @@
 mod acts;
 mod attend;
 mod background;
+mod delta;
 mod handoff;
 mod isa;
 mod kernels;
@@ -14,6 +15,7 @@ mod pool;
 
 pub use attend::{rms_norm, LayerCache, OneTokenAttention, Rope};
 pub use background::{Background, Ticket};
+pub use delta::{delta_rule_step, DeltaShape};
 pub use handoff::{
     missed_routes, words as handoff_words, words::WORDS as HANDOFF_WORDS, HandoffBlock,
     Request as HandoffRequest,

@@ -4,6 +4,7 @@
 
 mod attend;
 mod cuda;
+mod delta;
 mod errors;
 mod gguf;
 mod host;
@@ -37,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant::matmul_group, m)?)?;
     m.add_function(wrap_pyfunction!(attend::attend_one, m)?)?;
     m.add_function(wrap_pyfunction!(attend::rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(delta::delta_rule_step, m)?)?;
     m.add_function(wrap_pyfunction!(threads::set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads::poll_us, m)?)?;

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from freetoken import _core
 from freetoken.errors import GGUFError
 from freetoken.gguf import GGUFFile
 from freetoken.models.layers import Linear, linear_group, load_vector, rms_norm
@@ -154,6 +155,29 @@ def delta_rule_step(
         outs.append(torch.einsum("hkv,hk->hv", s, q[:, t]))
         states.append(s)
     return torch.stack(outs, 1), torch.stack(states) if all_states else s
+
+
+def delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`delta_rule_step` of one token on the CPU in one call (``_core.delta_rule_step``),
+    ``state`` (contiguous float32 ``[H, d_k, d_v]``, see :func:`decodes_in_place`) updated in
+    place: the torch ops would read and write the whole state four times into new tensors.
+    Returns the outputs ``[H, 1, d_v]``."""
+    out = torch.empty(v.shape[0], 1, v.shape[2])
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    _core.delta_rule_step(q, k, v, g, beta, state, out)
+    return out
+
+
+def decodes_in_place(state: torch.Tensor) -> bool:
+    """Whether :func:`delta_rule_decode` takes ``state``."""
+    return state.device.type == "cpu" and state.dtype == torch.float32 and state.is_contiguous()
 
 
 def delta_rule_chunked(
@@ -317,7 +341,9 @@ class DeltaNetLayer:
                 beta[rows].T,
                 ssm_state,
             )
-            if n == 1 or keep:
+            if n == 1 and not keep and decodes_in_place(ssm_state):
+                o = delta_rule_decode(*args)
+            elif n == 1 or keep:
                 o, ssm_state = delta_rule_step(*args, all_states=keep)
             else:
                 o, ssm_state = delta_rule_chunked(*args)
