@@ -15,8 +15,8 @@ use criterion::{
 };
 use freetoken_ggml::{quantize, GgmlType};
 use ft_cpu::{
-    moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeWeights, QuantWeight,
-    ThreadPool,
+    moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeWeights, PackedRows,
+    QuantWeight, ThreadPool,
 };
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -195,19 +195,29 @@ fn gemv(c: &mut Criterion) {
         let w = quantize(t, &tile, K, im)
             .expect("quantize the weight tile")
             .repeat(N / TILE_ROWS);
-        let weight = QuantWeight::new(&w, t, N, K).expect("a valid weight matrix");
+        // `<type>-packed`: the rows packed at load for the kernels in use, where they have a
+        // packed layout for the type (AVX2: Q4_0 and Q8_0).
+        let packed = PackedRows::new(&pools[0], &w, t, N, K).expect("a valid weight matrix");
+        let weights = [(t.name().to_string(), &w[..])].into_iter().chain(
+            packed
+                .as_ref()
+                .map(|p| (format!("{t}-packed"), p.matrix(0))),
+        );
         configure(&mut group, w.len());
-        let case = format!("gemv/{t}");
-        for pool in &pools {
-            let threads = pool.n_threads();
-            group.bench_function(BenchmarkId::new(t.name(), format!("{threads}t")), |b| {
-                timed(b, &case, threads, w.len(), || {
-                    weight
-                        .matmul(pool, black_box(&x), &mut y)
-                        .expect("shapes match");
-                    black_box(&y);
-                })
-            });
+        for (name, data) in weights {
+            let weight = QuantWeight::new(data, t, N, K).expect("a valid weight matrix");
+            let case = format!("gemv/{name}");
+            for pool in &pools {
+                let threads = pool.n_threads();
+                group.bench_function(BenchmarkId::new(&name, format!("{threads}t")), |b| {
+                    timed(b, &case, threads, w.len(), || {
+                        weight
+                            .matmul(pool, black_box(&x), &mut y)
+                            .expect("shapes match");
+                        black_box(&y);
+                    })
+                });
+            }
         }
     }
     group.finish();

@@ -18,7 +18,9 @@
 //! differently), use ggml's kernel row by row. At the AVX2 level the group kernels (`avx2`)
 //! are bit-identical too, and the products of several tokens for Q4_0, Q5_0, Q8_0, IQ4_NL,
 //! MXFP4, Q4_K, Q5_K and Q6_K run as tiles over interleaved rows (`avx2_gemm`), within a
-//! derived bound of ggml's.
+//! derived bound of ggml's; rows packed at load time (`crate::PackedRows`: Q4_0 and Q8_0)
+//! run, for any number of tokens, through kernels over eight rows interleaved per block
+//! (`avx2_repack`), within the same bound.
 
 use crate::isa::{cpu_isa, CpuIsa};
 use freetoken_ggml::{GgmlType, Result, VecDot};
@@ -27,6 +29,8 @@ use freetoken_ggml::{GgmlType, Result, VecDot};
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_gemm;
+#[cfg(target_arch = "x86_64")]
+mod avx2_repack;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
 
@@ -101,6 +105,21 @@ pub(crate) const GEMM_PASS_ROWS: usize = 64;
 /// `acts[t]`, each `blocks` 32-value blocks.
 type GemmFn = fn(w: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]);
 
+/// Rows per group of a packed matrix ([`RowDots::packed`]): tasks over one start at a multiple.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PACKED_ROWS: usize = avx2_repack::ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) const PACKED_ROWS: usize = 8;
+
+/// A weight type's kernels over rows packed at load time: `pack(src, blocks, dst)` packs
+/// whole groups of [`PACKED_ROWS`] (the tail rows copied as they are) into as many bytes,
+/// `dots` computes whole packed groups as a [`GemmFn`] does rows.
+#[derive(Clone, Copy)]
+struct PackedFns {
+    pack: fn(src: &[u8], blocks: usize, dst: &mut [u8]),
+    dots: GemmFn,
+}
+
 /// A weight type's group kernels on this CPU: one per [`TILES`] size, and one for a single
 /// token where it beats ggml's row kernel (tokens left over go one by one).
 #[derive(Clone, Copy)]
@@ -117,6 +136,10 @@ pub(crate) struct RowDots {
     /// The interleaved tiled kernel, and the tokens from which a call's rows go through it
     /// (its repacking of the rows is shared by them).
     gemm: Option<(GemmFn, usize)>,
+    /// The kernels over packed rows, where the level has them for the types.
+    pack: Option<PackedFns>,
+    /// Whether the rows [`RowDots::dots`] gets are packed ([`RowDots::packed`]).
+    packed: bool,
 }
 
 impl RowDots {
@@ -161,10 +184,40 @@ impl RowDots {
             },
             _ => None,
         };
+        // AVX2 only: the AVX-512 group kernels read the original rows faster.
+        let pack = match level {
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 => avx2_repack::packed_fns(&kernel),
+            _ => None,
+        };
         RowDots {
             kernel,
             group,
             gemm,
+            pack,
+            packed: false,
+        }
+    }
+
+    /// Whether the kernels have a packed layout for the type ([`RowDots::pack`]).
+    pub(crate) fn packs(&self) -> bool {
+        self.pack.is_some()
+    }
+
+    /// Packs `src` (whole rows) into `dst` (as many bytes): each group of [`PACKED_ROWS`]
+    /// rows from the first interleaved, the rows after the last whole group as they are.
+    pub(crate) fn pack(&self, src: &[u8], dst: &mut [u8]) {
+        let pack = self.pack.expect("a type with a packed layout");
+        (pack.pack)(src, self.kernel.k() / 32, dst);
+    }
+
+    /// These kernels over packed rows ([`RowDots::pack`]): the rows [`RowDots::dots`] gets
+    /// then start at a group and end at one or at the packed matrix's end.
+    pub(crate) fn packed(self) -> RowDots {
+        assert!(self.packs(), "a type with a packed layout");
+        RowDots {
+            packed: true,
+            ..self
         }
     }
 
@@ -192,9 +245,9 @@ impl RowDots {
     /// `out[t * n + i]` = row i of `w` (n consecutive rows) . `acts[t]`, where each `acts[t]`
     /// holds one or more quantized rows of one activation ([`crate::acts::ActCodec`]'s passes,
     /// the same number for all) and the result is the sum over them; with one pass each value
-    /// is exactly what `VecDot::dot` gives for that row (but where [`RowDots::tiled`]: within
-    /// the bound `avx2_gemm` states), and with several
-    /// the passes' values added in order.
+    /// is exactly what `VecDot::dot` gives for that row (but where [`RowDots::tiled`], or
+    /// over packed rows ([`RowDots::packed`]) but for those past the last whole group: within
+    /// the bound `avx2_gemm` states), and with several the passes' values added in order.
     pub(crate) fn dots(&self, w: &[u8], acts: &[&[u8]], out: &mut [f32]) {
         let (ab, rb) = (self.kernel.act_row_bytes(), self.kernel.weight_row_bytes());
         let passes = acts.first().map_or(1, |a| a.len() / ab);
@@ -209,12 +262,27 @@ impl RowDots {
             acts.iter().map(|a| a.len()).collect::<Vec<_>>(),
             out.len()
         );
-        let n = w.len() / rb;
+        let (n, blocks) = (w.len() / rb, self.kernel.k() / 32);
+        // Packed rows: every whole group through the packed kernel, the tail as it is.
+        let packed = self.pack.filter(|_| self.packed);
+        let whole = packed.map_or(0, |_| n / PACKED_ROWS * PACKED_ROWS);
         if let ([act], 1) = (acts, passes) {
             // One token: every row straight into `out`, whatever the count (the per-call
             // work of a pass, next to the twenty blocks of a 640-column row, had weighed).
-            return self.dots_one(w, act, out);
+            if let Some(pk) = packed {
+                (pk.dots)(&w[..whole * rb], rb, blocks, acts, &mut out[..whole]);
+            }
+            return self.dots_one(&w[whole * rb..], act, &mut out[whole..]);
         }
+        // The rows from 0 that one kernel takes for every token at once: the packed groups,
+        // or all where the tiles run.
+        let wide = match packed {
+            Some(pk) => Some((pk.dots, whole)),
+            None => self
+                .gemm
+                .filter(|_| self.tiled(acts.len()))
+                .map(|(gemm, _)| (gemm, n)),
+        };
         for p in 0..passes {
             let pass = |t: usize| &acts[t][p * ab..(p + 1) * ab];
             // The first pass writes, the others add: the order `VecDot::dot` sums would take.
@@ -226,16 +294,19 @@ impl RowDots {
                     o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
                 }
             };
-            match self.gemm.filter(|_| self.tiled(acts.len())) {
-                Some((gemm, _)) if n > 0 => {
-                    let a: Vec<&[u8]> = (0..acts.len()).map(pass).collect();
-                    let mut v = vec![0f32; acts.len() * n];
-                    gemm(w, rb, self.kernel.k() / 32, &a, &mut v);
-                    for (t, v) in v.chunks_exact(n).enumerate() {
-                        put(t, 0, v);
-                    }
+            let mut done = 0;
+            if let Some((f, m)) = wide.filter(|&(_, m)| m > 0) {
+                let a: Vec<&[u8]> = (0..acts.len()).map(pass).collect();
+                let mut v = vec![0f32; acts.len() * m];
+                f(&w[..m * rb], rb, blocks, &a, &mut v);
+                for (t, v) in v.chunks_exact(m).enumerate() {
+                    put(t, 0, v);
                 }
-                _ => self.group_dots(w, acts.len(), pass, &mut put),
+                done = m;
+            }
+            if done < n {
+                let put = |t: usize, r0: usize, v: &[f32]| put(t, done + r0, v);
+                self.group_dots(&w[done * rb..], acts.len(), pass, put);
             }
         }
     }
@@ -541,7 +612,7 @@ mod tile_tests {
     /// sums: ggml's lanes split both); for Q4_K and Q5_K, 2 gamma_(2 blocks + 4) x the sum
     /// over blocks of |fl(d_w d_a)| x sum_i |scale_i w_i a_i| + |fl(dmin_w d_a)| x sum_s
     /// min_s |sum_(i in s) a_i|; the values decoded here from the formats.
-    fn gemm_bound(t: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+    pub(super) fn gemm_bound(t: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         let scale = |p: &[u8]| fp16(u16::from_le_bytes([p[0], p[1]]));
         let gamma = |n: usize| {
             let nu = n as f64 * 2f64.powi(-24);

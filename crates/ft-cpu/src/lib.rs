@@ -11,6 +11,7 @@ mod isa;
 mod kernels;
 mod matmul;
 mod moe;
+mod packed;
 mod pool;
 
 pub use attend::{rms_norm, LayerCache, OneTokenAttention, Rope};
@@ -26,4 +27,5 @@ pub use moe::{
     moe_forward, moe_forward_with, Activation, ExpertMats, ForwardOptions, MoeStats, MoeWeights,
     SKIP_ROUTE,
 };
+pub use packed::PackedRows;
 pub use pool::{ThreadPool, DEFAULT_POLL};

@@ -1,7 +1,8 @@
 //! The quantized product y[T, N] = x[T, K] . W^T for W in any type with a CPU dot product.
 
 use crate::acts::ActCodec;
-use crate::kernels::RowDots;
+use crate::kernels::{RowDots, PACKED_ROWS};
+use crate::packed::dots_over;
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
 
@@ -26,12 +27,16 @@ const TASKS_PER_THREAD: usize = 4;
 /// Weight rows per task: as many as give each thread `TASKS_PER_THREAD` tasks, and no fewer,
 /// since a task is one contiguous stream of rows and short ones read memory slowly (the
 /// 151936 x 2048 Q8_0 output head of README.md's MoE model: 37 GB/s on two threads in tasks
-/// of 64 rows, 44 in tasks of a quarter of each thread's share).
+/// of 64 rows, 44 in tasks of a quarter of each thread's share). A multiple of
+/// `PACKED_ROWS`, so that tasks over packed rows start at a group.
 fn rows_per_task(n: usize, threads: usize) -> usize {
-    n.div_ceil(threads * TASKS_PER_THREAD).max(1)
+    n.div_ceil(threads * TASKS_PER_THREAD)
+        .next_multiple_of(PACKED_ROWS)
+        .max(PACKED_ROWS)
 }
 
-/// A borrowed quantized weight matrix of `n` rows by `k` columns.
+/// A borrowed quantized weight matrix of `n` rows by `k` columns: the type's rows, or a
+/// [`crate::PackedRows`] matrix of them.
 #[derive(Clone, Copy)]
 pub struct QuantWeight<'a> {
     data: &'a [u8],
@@ -69,7 +74,7 @@ impl<'a> QuantWeight<'a> {
         &self.kernel
     }
 
-    /// Row `r`'s bytes.
+    /// Row `r`'s bytes (of a packed matrix: its bytes at that row's place).
     pub fn row(&self, r: usize) -> &'a [u8] {
         let b = self.kernel.weight_row_bytes();
         &self.data[r * b..(r + 1) * b]
@@ -147,7 +152,7 @@ pub fn matmul_group(
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
     let dots = ws
         .iter()
-        .map(|w| RowDots::new(w.kernel))
+        .map(|w| Ok(dots_over(RowDots::new(w.kernel)?, w.data)))
         .collect::<Result<Vec<_>>>()?;
     let act_rows: Vec<Vec<&[u8]>> = ws
         .iter()

@@ -5,8 +5,9 @@
 //! over (expert, row block) pairs on the pool.
 
 use crate::acts::ActCodec;
-use crate::kernels::{prefetch, prefetch_l2, RowDots, PASS_ROWS};
+use crate::kernels::{prefetch, prefetch_l2, RowDots, PACKED_ROWS, PASS_ROWS};
 use crate::matmul::{quantize_rows_with, OutPtr};
+use crate::packed::dots_over;
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, GgmlType, Result, VecDot};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -211,12 +212,13 @@ enum Task {
 /// Each group's `rows` cut into equal contiguous blocks, as few as give every thread
 /// `TASKS_PER_THREAD` tasks over all groups. Long blocks matter: each task streams its rows
 /// from memory, and short ones (32 rows, 14 KB of a Q4_0 down matrix) left two threads
-/// decoding at 18 GB/s where whole experts reach 30 (benches/README.md).
+/// decoding at 18 GB/s where whole experts reach 30 (benches/README.md). Blocks start at a
+/// multiple of `PACKED_ROWS`, a group of packed rows.
 fn blocks(groups: usize, rows: usize, threads: usize) -> Vec<std::ops::Range<usize>> {
     let splits = (TASKS_PER_THREAD * threads)
         .div_ceil(groups)
         .clamp(1, rows.div_ceil(MIN_TASK_ROWS));
-    let per = rows.div_ceil(splits);
+    let per = rows.div_ceil(splits).next_multiple_of(PACKED_ROWS);
     (0..rows)
         .step_by(per)
         .map(|r| r..(r + per).min(rows))
@@ -404,6 +406,10 @@ pub fn moe_forward_with(
             // Gate and up share their activation rows unless their types differ.
             let au_own = xu.as_ref().map(|xu| route_rows(xu, aub, routes, top_k));
             let au = au_own.as_ref().unwrap_or(&ag);
+            let (dg, du) = (
+                dots_over(dg, w.gate.experts[ex]),
+                dots_over(du, w.up.experts[ex]),
+            );
             let (mut gv, mut uv) = (
                 vec![0f32; routes.len() * PASS_ROWS],
                 vec![0f32; routes.len() * PASS_ROWS],
@@ -463,6 +469,7 @@ pub fn moe_forward_with(
                     std::slice::from_raw_parts(hqp.get().cast::<u8>().add(route * adb), adb)
                 })
                 .collect();
+            let dd = dots_over(dd, w.down.experts[ex]);
             let mut yv = vec![0f32; routes.len() * PASS_ROWS];
             for r0 in rows.clone().step_by(PASS_ROWS) {
                 let pass = r0..(r0 + PASS_ROWS).min(rows.end);

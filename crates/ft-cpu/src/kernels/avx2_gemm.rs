@@ -345,7 +345,7 @@ unsafe fn values<const KIND: u8>(x: *const u8) -> __m256i {
 /// # Safety
 /// `a` points at `sums.len()` Q8_0 blocks; the CPU has AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_sums<const KIND: u8>(a: *const u8, sums: &mut [i32]) {
+pub(super) unsafe fn block_sums<const KIND: u8>(a: *const u8, sums: &mut [i32]) {
     let (_, offset) = layout(KIND);
     let ones = _mm256_set1_epi16(1);
     for (b, s) in sums.iter_mut().enumerate() {
