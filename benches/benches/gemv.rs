@@ -271,7 +271,8 @@ fn expert_mats(t: GgmlType, data: &[u8], n: usize, k: usize) -> ExpertMats<'_> {
 
 /// `moe/decode/<T>t`: one token through the layer (`MOE_TOP_K` experts, each read once),
 /// `moe/miss2/<T>t`: one token's two routes (a small job, whose fixed costs show),
-/// `moe/prefill64/<T>t`: 64 tokens with random routes (nearly every expert read once). Both
+/// `moe/prefill64/<T>t`: 64 tokens with random routes (nearly every expert read once); each
+/// also `-packed` over the experts packed at load, where the kernels in use pack. All
 /// in Q4_0, counting the bytes of the distinct experts a call reads, as the executor's
 /// counters do.
 fn moe(c: &mut Criterion) {
@@ -287,13 +288,31 @@ fn moe(c: &mut Criterion) {
     let gate = quantized(MOE_FFN, MOE_HIDDEN, 0x243f_6a88_85a3_08d3);
     let up = quantized(MOE_FFN, MOE_HIDDEN, 0x1319_8a2e_0370_7344);
     let down = quantized(MOE_HIDDEN, MOE_FFN, 0xa409_3822_299f_31d0);
-    let w = MoeWeights {
+    let layer = |gate, up, down| MoeWeights {
         n_experts: MOE_EXPERTS,
-        gate: expert_mats(t, &gate, MOE_FFN, MOE_HIDDEN),
-        up: expert_mats(t, &up, MOE_FFN, MOE_HIDDEN),
-        down: expert_mats(t, &down, MOE_HIDDEN, MOE_FFN),
+        gate: expert_mats(t, gate, MOE_FFN, MOE_HIDDEN),
+        up: expert_mats(t, up, MOE_FFN, MOE_HIDDEN),
+        down: expert_mats(t, down, MOE_HIDDEN, MOE_FFN),
         act: Activation::Silu,
     };
+    let w = layer(&gate, &up, &down);
+    // The same experts packed at load for the kernels in use, where they have a packed
+    // layout (AVX2): the `-packed` cases.
+    let pack = |data: &[u8], n, k| {
+        PackedRows::new(&pools[0], data, t, n, k).expect("whole expert matrices")
+    };
+    let packed = (
+        pack(&gate, MOE_FFN, MOE_HIDDEN),
+        pack(&up, MOE_FFN, MOE_HIDDEN),
+        pack(&down, MOE_HIDDEN, MOE_FFN),
+    );
+    let wp = match &packed {
+        (Some(g), Some(u), Some(d)) => Some(layer(g.bytes(), u.bytes(), d.bytes())),
+        _ => None,
+    };
+    let layers = [("", &w)]
+        .into_iter()
+        .chain(wp.as_ref().map(|w| ("-packed", w)));
     let expert_bytes = (gate.len() + up.len() + down.len()) / MOE_EXPERTS;
 
     // One token: call s takes the disjoint set s of `k` experts, s, s + n, s + 2n, ... (n sets).
@@ -329,11 +348,15 @@ fn moe(c: &mut Criterion) {
     let mut group = c.benchmark_group("moe");
     // `decode-precise`: the same with residual activations (--moe-cpu-precise); `miss2`: the
     // two routes of a hybrid step's CPU job.
-    for (name, k, residual_acts) in [
+    for (name, k, residual_acts, (suffix, w)) in [
         ("decode", MOE_TOP_K, false),
         ("decode-precise", MOE_TOP_K, true),
         ("miss2", MOE_MISSES, false),
-    ] {
+    ]
+    .into_iter()
+    .flat_map(|c| layers.clone().map(move |l| (c.0, c.1, c.2, l)))
+    {
+        let name = format!("{name}{suffix}");
         let opts = ForwardOptions {
             residual_acts,
             ..ForwardOptions::default()
@@ -343,7 +366,7 @@ fn moe(c: &mut Criterion) {
             let threads = pool.n_threads();
             let bytes = k * expert_bytes;
             configure(&mut group, bytes);
-            group.bench_function(BenchmarkId::new(name, format!("{threads}t")), |b| {
+            group.bench_function(BenchmarkId::new(&name, format!("{threads}t")), |b| {
                 let mut step = 0;
                 timed(b, &format!("moe/{name}"), threads, bytes, || {
                     let ids = &sets[step % sets.len()];
@@ -351,7 +374,7 @@ fn moe(c: &mut Criterion) {
                     let o = &mut out[..MOE_HIDDEN];
                     moe_forward_with(
                         pool,
-                        &w,
+                        w,
                         black_box(&x[..MOE_HIDDEN]),
                         ids,
                         &route_weights[..k],
@@ -364,15 +387,16 @@ fn moe(c: &mut Criterion) {
             });
         }
     }
-    for pool in &pools {
+    for ((suffix, w), pool) in layers.flat_map(|l| pools.iter().map(move |p| (l, p))) {
         let threads = pool.n_threads();
         let bytes = distinct.len() * expert_bytes;
+        let name = format!("prefill64{suffix}");
         configure(&mut group, bytes);
-        group.bench_function(BenchmarkId::new("prefill64", format!("{threads}t")), |b| {
-            timed(b, "moe/prefill64", threads, bytes, || {
+        group.bench_function(BenchmarkId::new(&name, format!("{threads}t")), |b| {
+            timed(b, &format!("moe/{name}"), threads, bytes, || {
                 moe_forward(
                     pool,
-                    &w,
+                    w,
                     black_box(&x),
                     &prefill_ids,
                     &route_weights,
