@@ -255,18 +255,7 @@ fn rotate(x: &mut [f32], r: Rope<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use crate::testing::values;
 
     /// The float64 reference of the whole operation, written from its definition.
     #[allow(clippy::too_many_arguments)]

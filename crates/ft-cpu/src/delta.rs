@@ -104,6 +104,7 @@ impl DeltaShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::values;
 
     /// The rule as written, in float64: decay the state, then the delta and the update.
     /// Besides the output and the state, each one's magnitude scale: the sum of the
@@ -146,19 +147,6 @@ mod tests {
             }
         }
         (out, out_scale, s, s_scale)
-    }
-
-    /// Deterministic values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
     }
 
     #[test]

@@ -13,6 +13,8 @@ mod matmul;
 mod moe;
 mod packed;
 mod pool;
+#[cfg(test)]
+mod testing;
 
 pub use attend::{rms_norm, LayerCache, OneTokenAttention, Rope};
 pub use background::{Background, Ticket};
