@@ -196,7 +196,7 @@ fn gemv(c: &mut Criterion) {
             .expect("quantize the weight tile")
             .repeat(N / TILE_ROWS);
         // `<type>-packed`: the rows packed at load for the kernels in use, where they have a
-        // packed layout for the type (AVX2: Q4_0 and Q8_0).
+        // packed layout for the type (AVX2: Q4_0, Q8_0 and Q4_K).
         let packed = PackedRows::new(&pools[0], &w, t, N, K).expect("a valid weight matrix");
         let weights = [(t.name().to_string(), &w[..])].into_iter().chain(
             packed
@@ -240,19 +240,30 @@ fn prompt(c: &mut Criterion) {
     for &t in TYPES {
         let im = t.requires_imatrix().then_some(&imatrix[..]);
         let w = quantize(t, &wf, PROMPT_K, im).expect("quantize the weight");
-        let weight = QuantWeight::new(&w, t, PROMPT_N, PROMPT_K).expect("a valid weight matrix");
+        // `<type>-packed` as in `gemv`.
+        let packed =
+            PackedRows::new(&pools[0], &w, t, PROMPT_N, PROMPT_K).expect("a valid weight matrix");
+        let weights = [(t.name().to_string(), &w[..])].into_iter().chain(
+            packed
+                .as_ref()
+                .map(|p| (format!("{t}-packed"), p.matrix(0))),
+        );
         configure(&mut group, flop);
-        let case = format!("prompt/{t}");
-        for pool in &pools {
-            let threads = pool.n_threads();
-            group.bench_function(BenchmarkId::new(t.name(), format!("{threads}t")), |b| {
-                timed(b, &case, threads, flop, || {
-                    weight
-                        .matmul(pool, black_box(&x), &mut y)
-                        .expect("shapes match");
-                    black_box(&y);
-                })
-            });
+        for (name, data) in weights {
+            let weight =
+                QuantWeight::new(data, t, PROMPT_N, PROMPT_K).expect("a valid weight matrix");
+            let case = format!("prompt/{name}");
+            for pool in &pools {
+                let threads = pool.n_threads();
+                group.bench_function(BenchmarkId::new(&name, format!("{threads}t")), |b| {
+                    timed(b, &case, threads, flop, || {
+                        weight
+                            .matmul(pool, black_box(&x), &mut y)
+                            .expect("shapes match");
+                        black_box(&y);
+                    })
+                });
+            }
         }
     }
     group.finish();

@@ -18,7 +18,7 @@
 //! differently), use ggml's kernel row by row. At the AVX2 level the group kernels (`avx2`)
 //! are bit-identical too, and the products of several tokens for Q4_0, Q5_0, Q8_0, IQ4_NL,
 //! MXFP4, Q4_K, Q5_K and Q6_K run as tiles over interleaved rows (`avx2_gemm`), within a
-//! derived bound of ggml's; rows packed at load time (`crate::PackedRows`: Q4_0 and Q8_0)
+//! derived bound of ggml's; rows packed at load time (`crate::PackedRows`: Q4_0, Q8_0, Q4_K)
 //! run, for any number of tokens, through kernels over eight rows interleaved per block
 //! (`avx2_repack`), within the same bound.
 

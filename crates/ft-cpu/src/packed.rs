@@ -53,7 +53,7 @@ pub struct PackedRows {
 impl PackedRows {
     /// `data`'s matrices (each `n` rows of `k` values of `t`, back to back) packed, on `pool`,
     /// where the kernels of the level in use have a packed layout for `t` (AVX2, not
-    /// AVX-512: Q4_0 and Q8_0); None where they do not.
+    /// AVX-512: Q4_0, Q8_0 and Q4_K); None where they do not.
     pub fn new(
         pool: &ThreadPool,
         data: &[u8],

@@ -478,7 +478,7 @@ unsafe fn pack_q45_k<const KIND: u8>(w: [*const u8; ROWS], supers: usize, dst: *
 ///
 /// # Safety
 /// `a` points at `sums.len() / 4` Q8_K blocks.
-unsafe fn sub_block_sums(a: *const u8, sums: &mut [i32]) {
+pub(super) unsafe fn sub_block_sums(a: *const u8, sums: &mut [i32]) {
     for (b, s) in sums.chunks_exact_mut(4).enumerate() {
         // SAFETY: block b's sums, per the contract.
         let bs: [i16; 16] = unsafe {

@@ -1,5 +1,6 @@
-//! Q4_0 and Q8_0 rows against Q8_0 activation rows, with AVX2, FMA and F16C, over rows
-//! repacked once at load time: eight rows interleaved per 32-value block.
+//! Q4_0 and Q8_0 rows against Q8_0 activation rows and Q4_K rows against Q8_K ones (the
+//! activations ggml pairs them with), with AVX2, FMA and F16C, over rows repacked once at
+//! load time: eight rows interleaved per block.
 //!
 //! A packed block of eight rows holds the same bytes as the eight rows' blocks: their eight
 //! fp16 scales (one 128-bit load, converted and multiplied by the activation's scale for all
@@ -22,9 +23,18 @@
 //! |here - ggml| <= 2 gamma_(blocks + 3) x sum_b |fl(d_w d_a)_b| x sum_i |w_i a_i| with
 //! gamma_n = n u / (1 - n u), u = 2^-24, the bound `avx2_gemm` derives for its tiles (one
 //! lane per row there too) and the tests check.
+//!
+//! Q4_K's packed block of eight rows: the eight d, the eight dmin (fp16), the three words of
+//! each row's packed 6-bit scales and mins (word i of every row in one register: the 8 rows'
+//! scales and mins unpack together, ggml's bit layout), then the nibbles' 32 words as Q4_0's
+//! (word j of a 32-byte run: sub-block 2p's values 4j..4j+4 low, 2p + 1's high). Per
+//! sub-block eight `maddubs` into 16-bit sums (8 x 2 x 15 x 127 < 2^15) and one `madd` with
+//! the rows' scales; per 256 values the mins against the activation's sub-block sums and two
+//! fused multiply-adds (d_w d_a, then -dmin_w d_a), `avx2_gemm`'s Q4_K arithmetic, whose
+//! bound 2 gamma_(2 blocks + 4) x ... it states.
 
 use super::avx2::fp16_at;
-use super::avx2_gemm::{self, block_sums};
+use super::avx2_gemm::{self, block_sums, sub_block_sums};
 use super::PackedFns;
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
@@ -37,16 +47,33 @@ pub(crate) const ROWS: usize = 8;
 const PASS_TOKENS: usize = 4;
 /// Bytes of a Q8_0 activation block: fp16 scale, 32 signed values.
 const Q8_0_BLOCK: usize = 34;
+/// Bytes of a Q8_K activation block: f32 d, 256 int8 values, 16 int16 sums of 16 values.
+const Q8_K_BLOCK: usize = 292;
 
 /// The weight types (const generic parameters).
 pub(super) const Q4: u8 = 0;
 pub(super) const Q8: u8 = 1;
+pub(super) const Q4K: u8 = 2;
 
-/// Bytes of a block of the type, and of its values.
-const fn layout(kind: u8) -> (usize, usize) {
+/// Bytes of a block of the type, values per block, bytes of the activation's block and
+/// activation sums per block the kernels take (Q4_0: the offset's, Q4_K: the mins' pairs).
+const fn layout(kind: u8) -> (usize, usize, usize, usize) {
     match kind {
-        Q4 => (18, 16),
-        _ => (Q8_0_BLOCK, 32),
+        Q4 => (18, 32, Q8_0_BLOCK, 1),
+        Q4K => (144, 256, Q8_K_BLOCK, 4),
+        _ => (Q8_0_BLOCK, 32, Q8_0_BLOCK, 0),
+    }
+}
+
+/// A block's fields as a packed block of eight rows holds them, in order: (offset in the
+/// block, bytes per row and part, parts); part c of row r goes `8 x width x c + width x r`
+/// after the field's start. Q4_0 and Q8_0: the fp16 scales, then the values' words. Q4_K:
+/// d, dmin, the three words of packed 6-bit scales and mins, the nibbles' 32 words.
+const fn fields(kind: u8) -> &'static [(usize, usize, usize)] {
+    match kind {
+        Q4 => &[(0, 2, 1), (2, 4, 4)],
+        Q4K => &[(0, 2, 1), (2, 2, 1), (4, 4, 3), (16, 4, 32)],
+        _ => &[(0, 2, 1), (2, 4, 8)],
     }
 }
 
@@ -57,15 +84,16 @@ pub(super) fn packed_fns(kernel: &VecDot) -> Option<PackedFns> {
     match (kernel.weight_type(), kernel.act_type()) {
         (GgmlType::Q4_0, GgmlType::Q8_0) => fns(pack::<Q4>, dots::<Q4>),
         (GgmlType::Q8_0, GgmlType::Q8_0) => fns(pack::<Q8>, dots::<Q8>),
+        (GgmlType::Q4_K, GgmlType::Q8_K) => fns(pack::<Q4K>, dots::<Q4K>),
         _ => None,
     }
 }
 
-/// Packs the first `ROWS * (n / ROWS)` rows of `src` (`n` rows of `blocks` blocks of the
-/// type) into `dst` group by group; the tail rows are copied as they are.
-pub(super) fn pack<const KIND: u8>(src: &[u8], blocks: usize, dst: &mut [u8]) {
-    let (block, values) = layout(KIND);
-    let rb = blocks * block;
+/// Packs the first `ROWS * (n / ROWS)` rows of `src` (`n` rows of `blocks` 32-value blocks)
+/// into `dst` group by group; the tail rows are copied as they are.
+fn pack<const KIND: u8>(src: &[u8], blocks: usize, dst: &mut [u8]) {
+    let (block, values, _, _) = layout(KIND);
+    let rb = blocks * 32 / values * block;
     assert!(
         dst.len() == src.len() && src.len().is_multiple_of(rb),
         "{} bytes into {}: not whole rows of {rb}",
@@ -80,15 +108,17 @@ pub(super) fn pack<const KIND: u8>(src: &[u8], blocks: usize, dst: &mut [u8]) {
     {
         for (b, out) in group.chunks_exact_mut(ROWS * block).enumerate() {
             let x = |r: usize| &rows[r * rb + b * block..r * rb + (b + 1) * block];
-            let (scales, regs) = out.split_at_mut(2 * ROWS);
-            for (r, s) in scales.chunks_exact_mut(2).enumerate() {
-                s.copy_from_slice(&x(r)[..2]);
+            let mut at = 0;
+            for &(offset, width, parts) in fields(KIND) {
+                for c in 0..parts {
+                    for r in 0..ROWS {
+                        let from = offset + c * width;
+                        out[at..at + width].copy_from_slice(&x(r)[from..from + width]);
+                        at += width;
+                    }
+                }
             }
-            for (i, word) in regs.chunks_exact_mut(4).enumerate() {
-                let (j, r) = (i / ROWS, i % ROWS);
-                word.copy_from_slice(&x(r)[2 + 4 * j..2 + 4 * j + 4]);
-            }
-            debug_assert_eq!(regs.len(), ROWS * values);
+            debug_assert_eq!(at, out.len());
         }
     }
 }
@@ -99,16 +129,18 @@ thread_local! {
 }
 
 /// `out[t * n + r]` = row r of `packed` (a whole number of packed groups, `n` rows of `rb`
-/// bytes, `blocks` blocks) against token t's Q8_0 row `acts[t]`. The CPU's AVX2, FMA and F16C were
-/// checked when the kernels were chosen ([`super::RowDots::with_isa`]).
+/// bytes, `blocks` 32-value blocks) against token t's activation row `acts[t]` (Q8_0, or
+/// Q4_K's Q8_K). The CPU's AVX2, FMA and F16C were checked when the kernels were chosen
+/// ([`super::RowDots::with_isa`]).
 fn dots<const KIND: u8>(packed: &[u8], rb: usize, blocks: usize, acts: &[&[u8]], out: &mut [f32]) {
-    let (block, _) = layout(KIND);
-    let gb = ROWS * blocks * block;
+    let (block, values, act_block, per_sums) = layout(KIND);
+    let units = blocks * 32 / values;
+    let gb = ROWS * units * block;
     let n = packed.len() / gb * ROWS;
     assert!(
-        rb == blocks * block
+        rb == units * block
             && packed.len() == n / ROWS * gb
-            && acts.iter().all(|a| a.len() == blocks * Q8_0_BLOCK)
+            && acts.iter().all(|a| a.len() == units * act_block)
             && out.len() == n * acts.len(),
         "{} packed bytes of groups of {gb}, {} tokens, {} outputs: not whole groups",
         packed.len(),
@@ -116,11 +148,16 @@ fn dots<const KIND: u8>(packed: &[u8], rb: usize, blocks: usize, acts: &[&[u8]],
         out.len()
     );
     SUMS.with_borrow_mut(|sums| {
-        if KIND == Q4 {
-            sums.resize(acts.len() * blocks, 0);
-            for (a, s) in acts.iter().zip(sums.chunks_exact_mut(blocks)) {
-                // SAFETY: `a` holds `blocks` Q8_0 blocks (checked above); AVX2 as above.
-                unsafe { block_sums::<{ avx2_gemm::Q4 }>(a.as_ptr(), s) };
+        let per_token = units * per_sums;
+        sums.resize(acts.len() * per_token, 0);
+        for (a, s) in acts.iter().zip(sums.chunks_exact_mut(per_token.max(1))) {
+            // SAFETY: `a` holds `units` activation blocks (checked above); AVX2 as above.
+            unsafe {
+                match KIND {
+                    Q4 => block_sums::<{ avx2_gemm::Q4 }>(a.as_ptr(), s),
+                    Q4K => sub_block_sums(a.as_ptr(), s),
+                    _ => {}
+                }
             }
         }
         for (g, group) in packed.chunks_exact(gb).enumerate() {
@@ -130,18 +167,22 @@ fn dots<const KIND: u8>(packed: &[u8], rb: usize, blocks: usize, acts: &[&[u8]],
                     std::array::from_fn(|t| acts[t0 + t.min(tokens - 1)].as_ptr());
                 let s: [*const i32; PASS_TOKENS] = std::array::from_fn(|t| {
                     let t = t0 + t.min(tokens - 1);
-                    sums.get(t * blocks..)
+                    sums.get(t * per_token..)
                         .map_or(std::ptr::null(), <[i32]>::as_ptr)
                 });
                 let p = group.as_ptr();
                 let mut o = [[0f32; ROWS]; PASS_TOKENS];
-                // SAFETY: one packed group of `blocks` blocks, `tokens` activation rows of as
-                // many blocks and (Q4_0) their sums, all checked above.
+                // SAFETY: one packed group of `units` blocks, `tokens` activation rows of as
+                // many blocks and their sums, all checked above.
                 unsafe {
-                    match tokens {
-                        4 => legacy::<KIND, 4>(p, blocks, a, s, &mut o),
-                        3 => legacy::<KIND, 3>(p, blocks, a, s, &mut o),
-                        2 => legacy::<KIND, 2>(p, blocks, a, s, &mut o),
+                    match (KIND, tokens) {
+                        (Q4K, 4) => q4_k::<4>(p, units, a, s, &mut o),
+                        (Q4K, 3) => q4_k::<3>(p, units, a, s, &mut o),
+                        (Q4K, 2) => q4_k::<2>(p, units, a, s, &mut o),
+                        (Q4K, _) => q4_k::<1>(p, units, a, s, &mut o),
+                        (_, 4) => legacy::<KIND, 4>(p, blocks, a, s, &mut o),
+                        (_, 3) => legacy::<KIND, 3>(p, blocks, a, s, &mut o),
+                        (_, 2) => legacy::<KIND, 2>(p, blocks, a, s, &mut o),
                         _ => legacy::<KIND, 1>(p, blocks, a, s, &mut o),
                     }
                 }
@@ -168,7 +209,7 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
     s: [*const i32; PASS_TOKENS],
     out: &mut [[f32; ROWS]; PASS_TOKENS],
 ) {
-    let (block, _) = layout(KIND);
+    let (block, ..) = layout(KIND);
     let (m4, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..blocks {
@@ -220,6 +261,111 @@ unsafe fn legacy<const KIND: u8, const T: usize>(
     }
 }
 
+/// Bytes `i0` and `i1` of each 32-bit lane of `v` as that lane's two 16-bit halves.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pick(v: __m256i, i0: i32, i1: i32) -> __m256i {
+    let lane = |l: i32| (4 * l + i0) | (0x80 << 8) | ((4 * l + i1) << 16) | (0x80 << 24);
+    let half = _mm_setr_epi32(lane(0), lane(1), lane(2), lane(3));
+    _mm256_shuffle_epi8(v, _mm256_set_m128i(half, half))
+}
+
+/// One packed group of Q4_K rows against `T` Q8_K activation rows (`a`, their sub-block sums
+/// two to a word, `s`): per block each row's exact sums of scale x value x activation and of
+/// min x the activation's sub-block sums in its lane, added times d_w * d_a and
+/// -dmin_w * d_a with two fused multiply-adds, as `avx2_gemm`'s tiles (whose bound holds).
+///
+/// # Safety
+/// `p` points at `supers` packed blocks, each of the first `T` of `a` at `supers` Q8_K blocks
+/// and of `s` at `4 * supers` words; the CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k<const T: usize>(
+    p: *const u8,
+    supers: usize,
+    a: [*const u8; PASS_TOKENS],
+    s: [*const i32; PASS_TOKENS],
+    out: &mut [[f32; ROWS]; PASS_TOKENS],
+) {
+    let (block, ..) = layout(Q4K);
+    let m4 = _mm256_set1_epi8(0x0f);
+    let (k1, k2, k3) = (
+        _mm256_set1_epi8(0x3f),
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x03),
+    );
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..supers {
+        // SAFETY: packed block b and block b of each token, per the contract.
+        unsafe {
+            let x = p.add(b * ROWS * block);
+            let y: [*const u8; T] = std::array::from_fn(|t| a[t].add(b * Q8_K_BLOCK));
+            let word = |y: *const u8, at: usize| {
+                _mm256_set1_epi32(y.add(at).cast::<i32>().read_unaligned())
+            };
+            // Each row's 6-bit scales and mins unpacked in its lane (ggml's bit layout, as
+            // `avx512_k::scales_and_mins`): scales 0-3, 4-7, mins 0-3, 4-7, a byte each.
+            let u = [1, 2, 3].map(|i| _mm256_loadu_si256(x.add(32 * i).cast()));
+            let high = |w: __m256i| {
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(w), k3))
+            };
+            let sc = [
+                _mm256_and_si256(u[0], k1),
+                _mm256_or_si256(_mm256_and_si256(u[2], k2), high(u[0])),
+            ];
+            let mins = [
+                _mm256_and_si256(u[1], k1),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi32::<4>(u[2]), k2),
+                    high(u[1]),
+                ),
+            ];
+            let mut sum = [_mm256_setzero_si256(); T];
+            for sb in 0..8 {
+                // Sub-block sb: the low (even) or high (odd) nibbles of pair sb / 2's words.
+                let scale = pick(sc[sb / 4], (sb % 4) as i32, (sb % 4) as i32);
+                let mut s16 = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    let v = _mm256_loadu_si256(x.add(128 + 256 * (sb / 2) + 32 * j).cast());
+                    let v = if sb % 2 == 0 {
+                        _mm256_and_si256(v, m4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4)
+                    };
+                    for (s16, &y) in s16.iter_mut().zip(&y) {
+                        let w = word(y, 4 + 32 * sb + 4 * j);
+                        *s16 = _mm256_add_epi16(*s16, _mm256_maddubs_epi16(v, w));
+                    }
+                }
+                for (sum, s16) in sum.iter_mut().zip(s16) {
+                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(s16, scale));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(x.cast()));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(x.add(2 * ROWS).cast()));
+            // Pair q's mins, sub-blocks 2q and 2q + 1, as each lane's two 16-bit halves.
+            let pairs: [__m256i; 4] = std::array::from_fn(|q| {
+                let i = 2 * (q % 2) as i32;
+                pick(mins[q / 2], i, i + 1)
+            });
+            for (((acc, sum), y), s) in acc.iter_mut().zip(sum).zip(y).zip(s) {
+                let mut m = _mm256_setzero_si256();
+                for (q, pair) in pairs.iter().enumerate() {
+                    let sums = _mm256_set1_epi32(s.add(4 * b + q).read());
+                    m = _mm256_add_epi32(m, _mm256_madd_epi16(*pair, sums));
+                }
+                let yd = _mm256_set1_ps(y.cast::<f32>().read_unaligned());
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(sum), *acc);
+                let dm = _mm256_mul_ps(dmin, _mm256_sub_ps(_mm256_setzero_ps(), yd));
+                *acc = _mm256_fmadd_ps(dm, _mm256_cvtepi32_ps(m), *acc);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: eight f32 into eight.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::random_blocks;
@@ -234,7 +380,8 @@ mod tests {
 
     /// Every (token, row) of packed rows, quantized and random, is ggml's row kernel's value
     /// within the bound the module states (the rows past the last whole group: bit for bit,
-    /// through the group kernels), at K of one block, two, three and 64, for whole packed
+    /// through the group kernels), at K of one block (Q4_K: of 256 values), two, three and
+    /// 64 (Q4_K: 8), for whole packed
     /// matrices of 1 to 33 rows and for runs of them that start at a later group; with two
     /// passes per token (residual activations), within both passes' bounds and the sum's
     /// rounding.
@@ -243,11 +390,12 @@ mod tests {
         if CpuIsa::Avx2.missing().is_some() {
             return;
         }
-        for (t, blocks) in [GgmlType::Q4_0, GgmlType::Q8_0]
+        let legacy = [GgmlType::Q4_0, GgmlType::Q8_0].map(|t| (t, [32, 64, 96, 2048]));
+        for (t, k) in legacy
             .into_iter()
-            .flat_map(|t| [1, 2, 3, 64].map(|b| (t, b)))
+            .chain([(GgmlType::Q4_K, [256, 512, 768, 2048])])
+            .flat_map(|(t, ks)| ks.map(|k| (t, k)))
         {
-            let k = 32 * blocks;
             let kernel = VecDot::new(t, k).unwrap();
             let dots = RowDots::with_isa(kernel, CpuIsa::Avx2);
             let (ab, rb) = (kernel.act_row_bytes(), kernel.weight_row_bytes());
