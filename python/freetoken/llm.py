@@ -21,6 +21,7 @@ from freetoken.engine import options as engine_options
 from freetoken.engine import spec_options
 from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.options import EngineOptions
+from freetoken.engine.repack import RepackStats, repack_for_cpu
 from freetoken.engine.spec_options import SpecOptions
 from freetoken.engine.speculative import (
     Drafter,
@@ -131,6 +132,19 @@ class LLM:
         self.n_ctx = n_ctx
         #: Where the model went (None: all on the CPU).
         self.placement = engine_options.apply(self.model, engine, n_ctx)
+        #: What the CPU engine repacked at load (None: not repacked, ``--no-repack`` or a GPU).
+        self.repacked: RepackStats | None = None
+        if self.placement is None and engine.repack:
+            bar = ProgressBar(f"repacking {name}") if progress else None
+            self.repacked = repack_for_cpu(self.model, self.gguf, bar)
+            log.info(
+                "repacked %d of %d weight matrices for the CPU kernels (%s), %.0f MiB of the "
+                "mapping released",
+                self.repacked.packed,
+                self.repacked.seen,
+                _core.cpu_kernel_isa(),
+                self.repacked.released / (1 << 20),
+            )
         #: ``--moe-cache-audit``: a record per generation (None: off).
         self.audit = (
             ExpertAudit(engine.moe_cache_audit, self.model, self.placement)
@@ -144,6 +158,9 @@ class LLM:
             draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
             check_draft_vocab(self.gguf, draft_gguf)
             self.draft = load_model(draft_gguf, None, moe_threads)
+            # The draft model runs on the CPU whatever the target's placement.
+            if engine.repack:
+                repack_for_cpu(self.draft, draft_gguf)
         #: Makes a sequence's drafter for a context of the tokens given (None: no
         #: speculative decoding).
         self.drafters: Callable[[int], Drafter] | None = None

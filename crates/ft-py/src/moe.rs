@@ -10,10 +10,10 @@ use ft_core::experts::ExpertTensor;
 use ft_core::gguf::GgufFile;
 use ft_cpu::{
     missed_routes, moe_forward_with, Activation, Background, ExpertMats, ForwardOptions,
-    HandoffBlock, MoeWeights, ThreadPool, Ticket,
+    HandoffBlock, MoeWeights, PackedRows, ThreadPool, Ticket,
 };
 use pyo3::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Per-layer counters shared by a model's MoE layers.
 #[pyclass(frozen, name = "MoeCounters")]
@@ -126,7 +126,8 @@ fn f32_bias(
     Ok(Some((t.file, t.offset, t.nbytes)))
 }
 
-/// One MoE layer: its experts' weights in the mapping, biases, activation, counter slot.
+/// One MoE layer: its experts' weights in the mapping (or packed copies of them), biases,
+/// activation, counter slot.
 #[pyclass(frozen, name = "MoeLayer")]
 pub struct PyMoeLayer {
     file: Arc<GgufFile>,
@@ -137,20 +138,31 @@ pub struct PyMoeLayer {
     down: ExpertTensor,
     biases: [Option<(usize, usize, usize)>; 3],
     act: Activation,
+    /// Per kind (gate, up, down), each expert's packed matrix; empty for a kind not packed.
+    packed: OnceLock<[Vec<PackedRows>; 3]>,
 }
 
 impl PyMoeLayer {
-    fn mats(&self, t: &ExpertTensor, bias: Option<(usize, usize, usize)>) -> ExpertMats<'_> {
-        let bias = bias.map(|(f, off, len)| {
+    fn kinds(&self) -> [&ExpertTensor; 3] {
+        [&self.gate, &self.up, &self.down]
+    }
+
+    fn mats(&self, kind: usize) -> ExpertMats<'_> {
+        let t = self.kinds()[kind];
+        let bias = self.biases[kind].map(|(f, off, len)| {
             let b = self.file.bytes(f, off, len);
             // SAFETY: checked at construction: F32, in bounds, 4-byte aligned.
             unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), len / 4) }
         });
+        let experts = match self.packed.get().map(|p| &p[kind]) {
+            Some(packed) if !packed.is_empty() => packed.iter().map(|p| p.matrix(0)).collect(),
+            _ => t.slices(&self.file),
+        };
         ExpertMats {
             ty: t.ty,
             n: t.rows,
             k: t.k,
-            experts: t.slices(&self.file),
+            experts,
             bias,
         }
     }
@@ -158,11 +170,24 @@ impl PyMoeLayer {
     fn weights(&self) -> MoeWeights<'_> {
         MoeWeights {
             n_experts: self.up.n_experts(),
-            gate: self.mats(&self.gate, self.biases[0]),
-            up: self.mats(&self.up, self.biases[1]),
-            down: self.mats(&self.down, self.biases[2]),
+            gate: self.mats(0),
+            up: self.mats(1),
+            down: self.mats(2),
             act: self.act,
         }
+    }
+
+    /// Each kind's experts packed on `pool` where the kernels in use pack its type.
+    fn pack_with(&self, pool: &ThreadPool) -> Result<[Vec<PackedRows>; 3]> {
+        let pack = |t: &ExpertTensor| -> Result<Vec<PackedRows>> {
+            let packed = t
+                .slices(&self.file)
+                .into_iter()
+                .map(|m| PackedRows::new(pool, m, t.ty, t.rows, t.k))
+                .collect::<Result<Option<Vec<_>>>>()?;
+            Ok(packed.unwrap_or_default())
+        };
+        Ok([pack(&self.gate)?, pack(&self.up)?, pack(&self.down)?])
     }
 
     /// The layer on `x`, `ids`, `weights` into `out` (their shapes checked by the forward).
@@ -269,6 +294,7 @@ impl PyMoeLayer {
             down,
             biases,
             act,
+            packed: OnceLock::new(),
         };
         // Check every shape now, not at the first token.
         layer
@@ -328,6 +354,35 @@ impl PyMoeLayer {
             k: t.k,
             ranges,
         })
+    }
+
+    /// Packs each kind's experts for the CPU kernels in use where they read a packed layout
+    /// faster (AVX2: Q4_0, Q8_0, Q4_K), for engines that compute this layer's experts on the
+    /// CPU only: the executor then reads the copies; `matrices` keeps giving the mapping's
+    /// ranges. Returns the kinds packed (`packed`).
+    fn pack(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
+        if self.packed.get().is_none() {
+            let made = py
+                .detach(|| self.pack_with(&crate::threads::pool()))
+                .py_err()?;
+            // Two callers packing at once: the first copies stay, the others are dropped.
+            let _ = self.packed.set(made);
+        }
+        Ok(self.packed())
+    }
+
+    /// The kinds ("gate", "up", "down") whose experts the executor reads packed.
+    #[getter]
+    fn packed(&self) -> Vec<&'static str> {
+        let Some(packed) = self.packed.get() else {
+            return Vec::new();
+        };
+        ["gate", "up", "down"]
+            .into_iter()
+            .zip(packed)
+            .filter(|(_, p)| !p.is_empty())
+            .map(|(name, _)| name)
+            .collect()
     }
 
     /// The activation between gate/up and down: "silu", "gelu" or "swiglu_oai".

@@ -4,9 +4,10 @@ use crate::errors::{to_py, IntoPy};
 use crate::host::{check_disjoint, Dtype, HostArray};
 use crate::threads::pool;
 use freetoken_ggml::{Error, GgmlType, Result};
-use ft_cpu::QuantWeight;
+use ft_cpu::{PackedRows, QuantWeight};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::sync::OnceLock;
 
 /// A ggml type's name and block geometry, as `type_info` reports it.
 #[pyclass(frozen, get_all, name = "TypeInfo")]
@@ -109,26 +110,28 @@ pub fn quantize<'py>(
 }
 
 /// A quantized weight matrix over host bytes: `n` rows of `k` elements of `qtype`, its size
-/// checked once here, its bytes held (and their buffer kept exported) while it lives.
+/// checked once here, its bytes held (and their buffer kept exported) while it lives; once
+/// packed, the products read the packed copy.
 #[pyclass(frozen, name = "QuantWeight")]
 pub struct PyQuantWeight {
     ty: GgmlType,
     bytes: HostArray,
     n: usize,
     k: usize,
+    packed: OnceLock<PackedRows>,
 }
 
 impl PyQuantWeight {
     /// # Safety
     /// `self` outlives the returned weight.
     unsafe fn weight<'a>(&self) -> Result<QuantWeight<'a>> {
-        // SAFETY: the held array outlives the view per the contract; it is only read.
-        QuantWeight::new(
-            unsafe { self.bytes.raw::<u8>().slice() },
-            self.ty,
-            self.n,
-            self.k,
-        )
+        let data: &[u8] = match self.packed.get() {
+            // SAFETY: the packed copy lives as long as `self`, which outlives the view.
+            Some(p) => unsafe { &*std::ptr::from_ref(p.matrix(0)) },
+            // SAFETY: the held array outlives the view per the contract; it is only read.
+            None => unsafe { self.bytes.raw::<u8>().slice() },
+        };
+        QuantWeight::new(data, self.ty, self.n, self.k)
     }
 }
 
@@ -142,6 +145,7 @@ impl PyQuantWeight {
             bytes: HostArray::input(raw, Dtype::U8, "weights")?,
             n,
             k,
+            packed: OnceLock::new(),
         };
         // SAFETY: `w` is alive for the check.
         unsafe { w.weight() }.py_err()?;
@@ -158,6 +162,30 @@ impl PyQuantWeight {
     #[getter]
     fn k(&self) -> usize {
         self.k
+    }
+
+    /// Packs the rows for the CPU kernels in use where they read a packed layout faster
+    /// (AVX2: Q4_0, Q8_0, Q4_K), for engines whose products of this weight all run on the
+    /// CPU; later products read the copy. Returns whether the weight is packed.
+    fn pack(&self, py: Python<'_>) -> PyResult<bool> {
+        if self.packed.get().is_none() {
+            // SAFETY: the held array outlives the call; it is only read.
+            let data = unsafe { self.bytes.raw::<u8>().slice() };
+            let made = py
+                .detach(|| PackedRows::new(&pool(), data, self.ty, self.n, self.k))
+                .py_err()?;
+            if let Some(p) = made {
+                // Two callers packing at once: the first copy stays, the other is dropped.
+                let _ = self.packed.set(p);
+            }
+        }
+        Ok(self.packed.get().is_some())
+    }
+
+    /// Whether the products read a packed copy (`pack`).
+    #[getter]
+    fn packed(&self) -> bool {
+        self.packed.get().is_some()
     }
 }
 

@@ -65,6 +65,8 @@ class EngineOptions:
     meanwhile (None: chosen per layer and step from the bench-bw figures, engine/fetch.py).
     ``mmap``: map the model file (the default) or, False (``--no-mmap``), read it into
     huge-page-backed memory (freetoken.gguf.GGUFFile).
+    ``repack``: on the CPU engine, weights copied once into the layout the CPU kernels in use
+    read fastest (engine/repack.py; False: llama.cpp's ``--no-repack``).
     ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
     main GPU alone, or ``layer`` when proportions are given), ``--tensor-split`` proportions
     and ``--main-gpu`` (:mod:`freetoken.engine.split`).
@@ -86,6 +88,7 @@ class EngineOptions:
     moe_cache_audit: str | None = None
     moe_fetch_share: float | None = None
     mmap: bool = True
+    repack: bool = True
     swa_full: bool = False
     split_mode: str | None = None
     tensor_split: tuple[float, ...] | None = None
@@ -202,6 +205,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mapping it: faster CPU experts, needs the model's size free in RAM",
     )
     g.add_argument(
+        "-nr",
+        "--no-repack",
+        dest="repack",
+        action="store_false",
+        help="CPU engine: keep the weights' rows as the file stores them instead of repacking "
+        "them for the CPU kernels (AVX2: Q4_0, Q8_0, Q4_K)",
+    )
+    g.add_argument(
         "--swa-full",
         action="store_true",
         help="keep every position in sliding-window layers' KV cache (CPU) instead of a ring "
@@ -242,6 +253,7 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         moe_cache_audit=args.moe_cache_audit,
         moe_fetch_share=args.moe_fetch_share,
         mmap=args.mmap,
+        repack=args.repack,
         swa_full=args.swa_full,
         split_mode=args.split_mode,
         tensor_split=None if args.tensor_split is None else parse_tensor_split(args.tensor_split),

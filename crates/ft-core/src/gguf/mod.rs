@@ -5,7 +5,7 @@ mod reader;
 mod value;
 
 use freetoken_ggml::{Error, GgmlType, Result};
-use memmap2::{Advice, Mmap, MmapMut};
+use memmap2::{Advice, Mmap, MmapMut, UncheckedAdvice};
 use reader::Reader;
 use std::collections::HashMap;
 use std::fs::File;
@@ -35,6 +35,8 @@ pub struct TensorInfo {
 pub struct GgufFile {
     paths: Vec<PathBuf>,
     maps: Vec<Mmap>,
+    /// Whether `maps` map the files (not copies in anonymous memory).
+    file_backed: bool,
     version: u32,
     metadata: Vec<(String, Value)>,
     keys: HashMap<String, usize>,
@@ -261,6 +263,7 @@ impl GgufFile {
         Ok(GgufFile {
             paths,
             maps,
+            file_backed: true,
             version,
             metadata,
             keys,
@@ -313,6 +316,48 @@ impl GgufFile {
         &self.maps[file][offset..offset + len]
     }
 
+    /// Drops this process's pages of each `(address, bytes)` range of the mapping, for callers
+    /// that keep their own copy of those bytes (weights packed for the CPU kernels): the
+    /// kernel reads them from the file again if they are touched later, so the process stops
+    /// holding both. Only whole 4 KiB-aligned runs inside a range are dropped, leaving the
+    /// neighbours' pages; copies in anonymous memory (`read_into_memory`) have no file to
+    /// read from and keep theirs. A range outside the mapping is an error. Returns the bytes
+    /// dropped.
+    pub fn release(&self, ranges: &[(usize, usize)]) -> Result<usize> {
+        const RUN: usize = 4096;
+        let mut dropped = 0;
+        for &(at, len) in ranges {
+            let map = self
+                .maps
+                .iter()
+                .find(|m| {
+                    let start = m.as_ptr() as usize;
+                    at >= start
+                        && at
+                            .checked_add(len)
+                            .is_some_and(|end| end <= start + m.len())
+                })
+                .ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "{len} bytes at {at:#x} are not inside the mapping of {}",
+                        self.paths[0].display()
+                    ))
+                })?;
+            let (first, end) = (at.next_multiple_of(RUN), (at + len) / RUN * RUN);
+            if !self.file_backed || end <= first {
+                continue;
+            }
+            let offset = first - map.as_ptr() as usize;
+            // SAFETY: the map is a read-only, private file mapping that is never written, so
+            // a dropped page reads back from the file with the bytes it held: views of it
+            // see no change (the hazard is the map's own, a file changed underneath).
+            unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, end - first) }
+                .map_err(|e| Error::Io(format!("cannot release mapped pages: {e}")))?;
+            dropped += end - first;
+        }
+        Ok(dropped)
+    }
+
     /// Bytes of all parts together.
     pub fn total_bytes(&self) -> u64 {
         self.maps.iter().map(|m| m.len() as u64).sum()
@@ -359,6 +404,7 @@ impl GgufFile {
                 .make_read_only()
                 .map_err(|e| io("cannot protect the copy", e))?;
         }
+        self.file_backed = false;
         Ok(())
     }
 }
@@ -457,5 +503,39 @@ mod tests {
             matches!(e, Error::Io(_)) && e.message().contains("cannot read"),
             "{e}"
         );
+    }
+
+    /// Released pages read back with the file's bytes (whole 4 KiB runs dropped, the
+    /// partial ones kept), an anonymous copy drops nothing and keeps its bytes, and a range
+    /// outside the mapping is refused.
+    #[test]
+    fn released_pages_read_back_from_the_file() {
+        let mut bytes = gguf_bytes(0, 3 << 12);
+        let header = bytes.len() - (3 << 12);
+        bytes
+            .iter_mut()
+            .skip(header)
+            .enumerate()
+            .for_each(|(i, b)| *b = (i * 31 % 251) as u8);
+        let p = write(&bytes, "release");
+        let n = bytes.len();
+        let mut f = GgufFile::open(&p).unwrap();
+        for copy in [false, true] {
+            if copy {
+                f.read_into_memory(|_, _| {}).unwrap();
+            }
+            let all = f.bytes(0, 0, n);
+            assert_eq!(all, &bytes[..]);
+            let at = all.as_ptr() as usize;
+            // From byte 100 to the end: the runs of the second and later 4 KiB pages.
+            let dropped = f.release(&[(at + 100, n - 100)]).unwrap();
+            let runs = (at + n) / 4096 * 4096 - (at + 100).next_multiple_of(4096);
+            assert_eq!(dropped, if copy { 0 } else { runs }, "copy {copy}");
+            assert_eq!(f.bytes(0, 0, n), &bytes[..], "copy {copy}");
+            for outside in [(at + 1, n), (at - 1, 2), (usize::MAX, 2)] {
+                let e = f.release(&[outside]).err().unwrap();
+                assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+            }
+        }
     }
 }

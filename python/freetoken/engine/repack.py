@@ -1,0 +1,90 @@
+"""Weights repacked for the CPU kernels in use (llama.cpp's CPU repack), for models whose
+products all run on the CPU: where the active instruction set reads a packed layout faster
+(AVX2: Q4_0, Q8_0 and Q4_K rows interleaved eight at a time, ``ft_cpu::PackedRows``), each
+dense matrix and each expert matrix is copied once into it, and the mapped original's pages
+are dropped so that the process holds one copy (the kernel reads them from the file again
+if they are touched). Levels without packed layouts (AVX-512, scalar) pack nothing.
+``--no-repack`` keeps the mapping's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from freetoken import _core
+from freetoken.gguf import GGUFFile
+from freetoken.models.layers import HeadwiseLinear, Linear
+from freetoken.quant import QuantMatrix
+
+__all__ = ["RepackStats", "quantized_weights", "repack_for_cpu"]
+
+
+@dataclass
+class RepackStats:
+    """What :func:`repack_for_cpu` did: matrices (an expert tensor counts once per kind)
+    packed, of those seen, and the mapped bytes it dropped."""
+
+    packed: int = 0
+    seen: int = 0
+    released: int = 0
+
+
+def _is_part(obj: object) -> bool:
+    module = type(obj).__module__
+    return module.startswith(("freetoken.models", "freetoken.runtime")) and hasattr(obj, "__dict__")
+
+
+def quantized_weights(model: object) -> list[QuantMatrix | _core.MoeLayer]:
+    """The quantized matrices and expert layers that ``model``'s parts hold, each once."""
+    return list(_weights(model, set()))
+
+
+def _weights(val: Any, seen: set[int]) -> Iterator[QuantMatrix | _core.MoeLayer]:
+    if id(val) in seen:
+        return
+    seen.add(id(val))
+    if isinstance(val, Linear):
+        yield val.weight
+    elif isinstance(val, HeadwiseLinear):
+        yield from val.heads
+    elif isinstance(val, (QuantMatrix, _core.MoeLayer)):
+        yield val
+    elif isinstance(val, (list, tuple)):
+        for v in val:
+            yield from _weights(v, seen)
+    elif isinstance(val, dict):
+        for v in val.values():
+            yield from _weights(v, seen)
+    elif _is_part(val):
+        for v in vars(val).values():
+            yield from _weights(v, seen)
+
+
+def _ranges(weight: QuantMatrix | _core.MoeLayer, kinds: list[str]) -> list[tuple[int, int]]:
+    if isinstance(weight, QuantMatrix):
+        return [(weight.raw.ctypes.data, weight.raw.nbytes)]
+    return [r for kind in kinds for r in weight.matrices(kind).ranges]
+
+
+def repack_for_cpu(
+    model: object, gguf: GGUFFile, progress: Callable[[int, int], None] | None = None
+) -> RepackStats:
+    """Packs every quantized matrix and expert layer of ``model`` (whose weights ``gguf``
+    maps) that the CPU kernels in use read faster packed, then drops the originals' mapped
+    pages; ``progress(done, total)`` after each. Only for models whose products all run on
+    the CPU: a GPU copies experts from the mapping."""
+    weights = quantized_weights(model)
+    stats = RepackStats(seen=len(weights))
+    for i, w in enumerate(weights, 1):
+        if isinstance(w, QuantMatrix):
+            kinds = ["matrix"] if w.spec.pack() else []
+        else:
+            kinds = w.pack()
+        if kinds:
+            stats.packed += 1
+            stats.released += gguf.handle.release(_ranges(w, kinds))
+        if progress is not None:
+            progress(i, len(weights))
+    return stats

@@ -1,0 +1,135 @@
+"""Weights repacked for the CPU kernels (engine/repack.py): which matrices the CPU engine packs
+at load (by the kernel level in use and each tensor's type as gguf-py reads the file), the
+mapped pages it drops (the kernel's own accounting of the mapping, ``/proc/self/smaps``), and
+``--no-repack``. That the packed products give llama.cpp's logits is shown by the llama.cpp
+comparisons (test_moe_models.py, test_models_vs_llamacpp.py), which scripts/test.sh runs again
+under the AVX2 cap, where these types pack."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from freetoken import _core
+from freetoken.engine.options import EngineOptions
+from freetoken.engine.repack import quantized_weights
+from freetoken.errors import InvalidInputError
+from freetoken.gguf import GGUFFile
+from freetoken.llm import LLM
+from freetoken.quant import QuantMatrix
+from gguf import GGUFReader
+from synthetic import build_models
+
+#: The types each kernel level reads packed.
+PACKED_TYPES = {"avx2": {"Q4_0", "Q8_0", "Q4_K"}}
+_PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MoE model whose dense and expert tensors mix packed and row-kernel types."""
+    spec = dict(
+        arch="qwen3moe",
+        head_dim=64,
+        experts=8,
+        top_k=2,
+        expert_ffn=256,
+        quant="q4_0,attn_v=q6_k,attn_output=q8_0,exps=q4_k,ffn_down_exps=q5_k",
+    )
+    base = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, seed=5)
+    return build_models({"mix": spec}, base, tmp_path_factory.mktemp("repack"))["mix"]
+
+
+def _types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+def _mapped_rss(path: Path) -> int:
+    """Bytes of ``path``'s mappings resident in this process, as the kernel counts them."""
+    rss, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+            ours = head[-1] == str(path.resolve())
+        elif ours and head[0] == "Rss:":
+            rss += int(head[1]) * 1024
+    return rss
+
+
+def _names(gguf: GGUFFile) -> dict[int, str]:
+    return {gguf.raw(name).ctypes.data: name for name in gguf.tensors}
+
+
+def test_the_cpu_engine_packs_what_the_level_reads_packed(model: Path) -> None:
+    """Every dense matrix and expert kind of a packed type is packed, no other, and the
+    originals' pages leave the process: what stays mapped is at most the unpacked tensors
+    and the pages that packed matrices share with them."""
+    packable = PACKED_TYPES.get(_core.cpu_kernel_isa(), set())
+    types = _types(model)
+    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
+    rss = _mapped_rss(model)
+    names = _names(llm.gguf)
+    packed_bytes, n_packed, n_seen = 0, 0, 0
+    for w in quantized_weights(llm.model):
+        if isinstance(w, QuantMatrix):
+            name = names[w.raw.ctypes.data]
+            n_seen += 1
+            assert w.spec.packed == (types[name] in packable), name
+            if w.spec.packed:
+                n_packed += 1
+                packed_bytes += w.raw.nbytes
+            continue
+        kinds = [
+            k
+            for k in ("gate", "up", "down")
+            if types[f"blk.{w.index}.ffn_{k}_exps.weight"] in packable
+        ]
+        n_seen += 1
+        assert w.packed == kinds, f"layer {w.index}"
+        n_packed += bool(kinds)
+        packed_bytes += sum(n for k in kinds for _, n in w.matrices(k).ranges)
+    assert llm.repacked is not None
+    assert (llm.repacked.packed, llm.repacked.seen) == (n_packed, n_seen)
+    if not packable:
+        assert n_packed == 0 and llm.repacked.released == 0
+        return
+    assert n_packed > 0 and llm.repacked.released > 0
+    # Two partial pages per packed range at most stay.
+    ranges = sum(
+        1 if isinstance(w, QuantMatrix) else sum(len(w.matrices(k).ranges) for k in w.packed)
+        for w in quantized_weights(llm.model)
+        if (w.spec.packed if isinstance(w, QuantMatrix) else w.packed)
+    )
+    assert llm.repacked.released >= packed_bytes - 2 * _PAGE * ranges
+    assert rss <= model.stat().st_size - llm.repacked.released
+    # Touching the model again reads only what a step needs: the packed copies serve the
+    # products, so the released pages mostly stay out.
+    logits = llm.logits(llm.tokenize("Hello there"))
+    assert np.isfinite(logits.numpy()).all()
+    assert _mapped_rss(model) <= model.stat().st_size - llm.repacked.released // 2
+
+
+def test_no_repack_keeps_the_mapping(model: Path) -> None:
+    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu", repack=False))
+    assert llm.repacked is None
+    for w in quantized_weights(llm.model):
+        assert not (w.spec.packed if isinstance(w, QuantMatrix) else w.packed)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_release_keeps_the_bytes_and_refuses_other_memory(model: Path, mmap: bool) -> None:
+    """Released pages read back with the file's bytes (gguf-py's view of the tensor); a copy
+    read into memory drops nothing; memory outside the mapping is refused."""
+    gguf = GGUFFile(model, mmap=mmap)
+    name = "token_embd.weight"
+    raw = gguf.raw(name)
+    dropped = gguf.handle.release([(raw.ctypes.data, raw.nbytes)])
+    assert (dropped > 0) == mmap and dropped <= raw.nbytes
+    want = next(t for t in GGUFReader(model).tensors if t.name == name)
+    assert np.array_equal(raw, np.asarray(want.data).view(np.uint8).reshape(-1))
+    other = np.zeros(1 << 16, dtype=np.uint8)
+    with pytest.raises(InvalidInputError, match="not inside the mapping"):
+        gguf.handle.release([(other.ctypes.data, other.nbytes)])
+    with pytest.raises(InvalidInputError):
+        gguf.handle.release([(raw.ctypes.data, raw.nbytes + (64 << 30))])
