@@ -67,6 +67,31 @@ pub fn delta_rule_step(
 }
 
 impl DeltaShape {
+    /// The shape of a step's arrays from their lengths (`q, k, v, g, beta, state, out`, in
+    /// that order): heads from `g`, key and value sizes from `q` and `v`; a description of
+    /// the first length that does not fit, if any.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_lengths(
+        q: usize,
+        k: usize,
+        v: usize,
+        g: usize,
+        beta: usize,
+        state: usize,
+        out: usize,
+    ) -> Result<DeltaShape, String> {
+        if g == 0 || !q.is_multiple_of(g) || !v.is_multiple_of(g) {
+            return Err(format!("q of {q} and v of {v} values over {g} heads"));
+        }
+        let shape = DeltaShape {
+            heads: g,
+            dk: q / g,
+            dv: v / g,
+        };
+        shape.check(q, k, v, g, beta, state, out)?;
+        Ok(shape)
+    }
+
     /// A description of the first length that does not fit the shape, if any: `q, k, v, g,
     /// beta, state, out` in that order.
     #[allow(clippy::too_many_arguments)]
@@ -200,5 +225,16 @@ mod tests {
             .check(8, 7, 6, 2, 2, 24, 6)
             .unwrap_err()
             .starts_with("k has 7"));
+        let from = DeltaShape::from_lengths(8, 8, 6, 2, 2, 24, 6).unwrap();
+        assert_eq!((from.heads, from.dk, from.dv), (2, 4, 3));
+        for (lens, says) in [
+            ([8, 8, 6, 0, 2, 24, 6], "over 0 heads"),
+            ([9, 8, 6, 2, 2, 24, 6], "q of 9"),
+            ([8, 8, 6, 2, 3, 24, 6], "beta has 3"),
+        ] {
+            let [q, k, v, g, beta, state, out] = lens;
+            let err = DeltaShape::from_lengths(q, k, v, g, beta, state, out).unwrap_err();
+            assert!(err.contains(says), "{err}");
+        }
     }
 }

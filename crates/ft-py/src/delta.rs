@@ -29,30 +29,16 @@ pub fn delta_rule_step(
     let beta = HostArray::input(beta, Dtype::F32, "beta")?;
     let state = HostArray::output(state, Dtype::F32, "state")?;
     let out = HostArray::output(out, Dtype::F32, "out")?;
-    let heads = g.len();
-    if heads == 0 || !q.len().is_multiple_of(heads) || !v.len().is_multiple_of(heads) {
-        return Err(to_py(Error::Shape(format!(
-            "q of {} and v of {} values over {heads} heads",
-            q.len(),
-            v.len()
-        ))));
-    }
-    let shape = DeltaShape {
-        heads,
-        dk: q.len() / heads,
-        dv: v.len() / heads,
-    };
-    shape
-        .check(
-            q.len(),
-            k.len(),
-            v.len(),
-            g.len(),
-            beta.len(),
-            state.len(),
-            out.len(),
-        )
-        .map_err(|e| to_py(Error::Shape(format!("delta_rule_step: {e}"))))?;
+    let shape = DeltaShape::from_lengths(
+        q.len(),
+        k.len(),
+        v.len(),
+        g.len(),
+        beta.len(),
+        state.len(),
+        out.len(),
+    )
+    .map_err(|e| to_py(Error::Shape(format!("delta_rule_step: {e}"))))?;
     check_disjoint(&[&state, &out], &[&q, &k, &v, &g, &beta])?;
     let (rq, rk, rv, rg, rb) = (
         q.raw::<f32>(),
