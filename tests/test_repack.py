@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from freetoken import _core
 from freetoken.engine.options import EngineOptions
-from freetoken.engine.repack import quantized_weights
+from freetoken.engine.repack import cpu_served, quantized_weights
 from freetoken.errors import InvalidInputError
 from freetoken.gguf import GGUFFile
 from freetoken.llm import LLM
@@ -61,53 +61,78 @@ def _names(gguf: GGUFFile) -> dict[int, str]:
     return {gguf.raw(name).ctypes.data: name for name in gguf.tensors}
 
 
-def test_the_cpu_engine_packs_what_the_level_reads_packed(model: Path) -> None:
-    """Every dense matrix and expert kind of a packed type is packed, no other, and the
-    originals' pages leave the process: what stays mapped is at most the unpacked tensors
-    and the pages that packed matrices share with them."""
+def _check_packed(llm: LLM, model: Path, cpu_layers: set[int] | None) -> tuple[int, int]:
+    """Asserts that exactly the weights only the CPU reads (all, or the expert layers
+    ``cpu_layers``) are packed where their type (gguf-py's) is one the level packs; returns
+    (bytes, ranges) of the packed originals."""
     packable = PACKED_TYPES.get(_core.cpu_kernel_isa(), set())
     types = _types(model)
-    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
-    rss = _mapped_rss(model)
     names = _names(llm.gguf)
-    packed_bytes, n_packed, n_seen = 0, 0, 0
+    packed_bytes, ranges, n_packed = 0, 0, 0
     for w in quantized_weights(llm.model):
         if isinstance(w, QuantMatrix):
             name = names[w.raw.ctypes.data]
-            n_seen += 1
-            assert w.spec.packed == (types[name] in packable), name
-            if w.spec.packed:
-                n_packed += 1
-                packed_bytes += w.raw.nbytes
+            want = cpu_layers is None and types[name] in packable
+            assert w.spec.packed == want, name
+            n_packed += want
+            packed_bytes += w.raw.nbytes * want
+            ranges += want
             continue
         kinds = [
             k
             for k in ("gate", "up", "down")
             if types[f"blk.{w.index}.ffn_{k}_exps.weight"] in packable
+            and (cpu_layers is None or w.index in cpu_layers)
         ]
-        n_seen += 1
         assert w.packed == kinds, f"layer {w.index}"
         n_packed += bool(kinds)
-        packed_bytes += sum(n for k in kinds for _, n in w.matrices(k).ranges)
-    assert llm.repacked is not None
-    assert (llm.repacked.packed, llm.repacked.seen) == (n_packed, n_seen)
-    if not packable:
-        assert n_packed == 0 and llm.repacked.released == 0
-        return
-    assert n_packed > 0 and llm.repacked.released > 0
+        for k in kinds:
+            packed_bytes += sum(n for _, n in w.matrices(k).ranges)
+            ranges += len(w.matrices(k).ranges)
+    assert llm.repacked is not None and llm.repacked.packed == n_packed
     # Two partial pages per packed range at most stay.
-    ranges = sum(
-        1 if isinstance(w, QuantMatrix) else sum(len(w.matrices(k).ranges) for k in w.packed)
-        for w in quantized_weights(llm.model)
-        if (w.spec.packed if isinstance(w, QuantMatrix) else w.packed)
-    )
-    assert llm.repacked.released >= packed_bytes - 2 * _PAGE * ranges
+    assert packed_bytes - 2 * _PAGE * ranges <= llm.repacked.released <= packed_bytes
+    return packed_bytes, ranges
+
+
+def test_the_cpu_engine_packs_what_the_level_reads_packed(model: Path) -> None:
+    """Every dense matrix and expert kind of a packed type is packed, no other, and the
+    originals' pages leave the process: what stays mapped is at most the unpacked tensors
+    and the pages that packed matrices share with them."""
+    llm = LLM(model, n_ctx=64, engine=EngineOptions(device="cpu"))
+    rss = _mapped_rss(model)
+    packed_bytes, _ = _check_packed(llm, model, None)
+    assert llm.repacked is not None
+    assert llm.repacked.seen == len(quantized_weights(llm.model))
+    if _core.cpu_kernel_isa() not in PACKED_TYPES:
+        assert packed_bytes == 0
+        return
+    assert packed_bytes > 0
     assert rss <= model.stat().st_size - llm.repacked.released
-    # Touching the model again reads only what a step needs: the packed copies serve the
+    # A step reads only what it needs from the mapping: the packed copies serve the
     # products, so the released pages mostly stay out.
     logits = llm.logits(llm.tokenize("Hello there"))
     assert np.isfinite(logits.numpy()).all()
     assert _mapped_rss(model) <= model.stat().st_size - llm.repacked.released // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("strategy", "cpu_layers", "served"),
+    [("cpu", None, {0, 1}), ("hybrid", "1", {0}), ("hybrid", None, set())],
+)
+def test_gpu_placements_repack_the_layers_only_the_cpu_serves(
+    model: Path, strategy: str, cpu_layers: str | None, served: set[int]
+) -> None:
+    """Under a GPU placement the dense weights and the slot-cached experts stay as mapped
+    (the GPU uploads those bytes); the MoE layers only the CPU serves are packed."""
+    engine = EngineOptions(moe_strategy=strategy, moe_cpu_layers=cpu_layers)
+    llm = LLM(model, n_ctx=64, engine=engine)
+    assert llm.placement is not None
+    assert {w.index for w in cpu_served(llm.model, llm.placement)} == served
+    _check_packed(llm, model, served)
+    logits = llm.logits(llm.tokenize("Hello there"))
+    assert np.isfinite(logits.numpy()).all()
 
 
 def test_no_repack_keeps_the_mapping(model: Path) -> None:

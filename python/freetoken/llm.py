@@ -21,7 +21,7 @@ from freetoken.engine import options as engine_options
 from freetoken.engine import spec_options
 from freetoken.engine.audit import ExpertAudit
 from freetoken.engine.options import EngineOptions
-from freetoken.engine.repack import RepackStats, repack_for_cpu
+from freetoken.engine.repack import RepackStats, cpu_served, quantized_weights, repack
 from freetoken.engine.spec_options import SpecOptions
 from freetoken.engine.speculative import (
     Drafter,
@@ -132,11 +132,16 @@ class LLM:
         self.n_ctx = n_ctx
         #: Where the model went (None: all on the CPU).
         self.placement = engine_options.apply(self.model, engine, n_ctx)
-        #: What the CPU engine repacked at load (None: not repacked, ``--no-repack`` or a GPU).
+        #: What was repacked for the CPU kernels at load (engine/repack.py; None: ``--no-repack``).
         self.repacked: RepackStats | None = None
-        if self.placement is None and engine.repack:
-            bar = ProgressBar(f"repacking {name}") if progress else None
-            self.repacked = repack_for_cpu(self.model, self.gguf, bar)
+        if engine.repack:
+            cpu_only = (
+                quantized_weights(self.model)
+                if self.placement is None
+                else cpu_served(self.model, self.placement)
+            )
+            bar = ProgressBar(f"repacking {name}") if progress and cpu_only else None
+            self.repacked = repack(cpu_only, self.gguf, bar)
             log.info(
                 "repacked %d of %d weight matrices for the CPU kernels (%s), %.0f MiB of the "
                 "mapping released",
@@ -160,7 +165,7 @@ class LLM:
             self.draft = load_model(draft_gguf, None, moe_threads)
             # The draft model runs on the CPU whatever the target's placement.
             if engine.repack:
-                repack_for_cpu(self.draft, draft_gguf)
+                repack(quantized_weights(self.draft), draft_gguf)
         #: Makes a sequence's drafter for a context of the tokens given (None: no
         #: speculative decoding).
         self.drafters: Callable[[int], Drafter] | None = None

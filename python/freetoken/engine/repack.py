@@ -1,24 +1,31 @@
-"""Weights repacked for the CPU kernels in use (llama.cpp's CPU repack), for models whose
-products all run on the CPU: where the active instruction set reads a packed layout faster
-(AVX2: Q4_0, Q8_0 and Q4_K rows interleaved eight at a time, ``ft_cpu::PackedRows``), each
-dense matrix and each expert matrix is copied once into it, and the mapped original's pages
-are dropped so that the process holds one copy (the kernel reads them from the file again
-if they are touched). Levels without packed layouts (AVX-512, scalar) pack nothing.
-``--no-repack`` keeps the mapping's rows.
+"""Weights repacked for the CPU kernels in use (llama.cpp's CPU repack), for the weights
+only the CPU reads: every product of the CPU engine, and under a GPU placement the MoE
+layers whose experts only the CPU serves (``--moe-strategy cpu``, ``--moe-cpu-layers``; the
+slot-cached layers stay as mapped, since the GPU uploads from those bytes). Where the active
+instruction set reads a packed layout faster (AVX2: Q4_0, Q8_0 and Q4_K rows interleaved
+eight at a time, ``ft_cpu::PackedRows``), each such matrix is copied once into it, and the
+mapped original's pages are dropped so that the process holds one copy (the kernel reads
+them from the file again if they are touched). Levels without packed layouts (AVX-512,
+scalar) pack nothing. ``--no-repack`` keeps the mapping's rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freetoken import _core
 from freetoken.gguf import GGUFFile
 from freetoken.models.layers import HeadwiseLinear, Linear
+from freetoken.models.transformer import Transformer
 from freetoken.quant import QuantMatrix
+from freetoken.runtime.moe import MoeFFN
 
-__all__ = ["RepackStats", "quantized_weights", "repack_for_cpu"]
+if TYPE_CHECKING:
+    from freetoken.engine.placement import Placement
+
+__all__ = ["RepackStats", "cpu_served", "quantized_weights", "repack"]
 
 
 @dataclass
@@ -68,14 +75,25 @@ def _ranges(weight: QuantMatrix | _core.MoeLayer, kinds: list[str]) -> list[tupl
     return [r for kind in kinds for r in weight.matrices(kind).ranges]
 
 
-def repack_for_cpu(
-    model: object, gguf: GGUFFile, progress: Callable[[int, int], None] | None = None
+def cpu_served(model: Transformer, place: Placement) -> list[_core.MoeLayer]:
+    """The expert layers of ``model`` that only the CPU serves under ``place``: no GPU reads
+    their bytes."""
+    ids = {*place.cpu_layers, *place.handoff_cpu_layers}
+    return [
+        blk.ffn.layer
+        for blk in model.blocks
+        if isinstance(blk.ffn, MoeFFN) and blk.ffn.layer.index in ids
+    ]
+
+
+def repack(
+    weights: Sequence[QuantMatrix | _core.MoeLayer],
+    gguf: GGUFFile,
+    progress: Callable[[int, int], None] | None = None,
 ) -> RepackStats:
-    """Packs every quantized matrix and expert layer of ``model`` (whose weights ``gguf``
-    maps) that the CPU kernels in use read faster packed, then drops the originals' mapped
-    pages; ``progress(done, total)`` after each. Only for models whose products all run on
-    the CPU: a GPU copies experts from the mapping."""
-    weights = quantized_weights(model)
+    """Packs each of ``weights`` (matrices and expert layers whose bytes ``gguf`` maps and
+    only the CPU reads) that the CPU kernels in use read faster packed, then drops the
+    originals' mapped pages; ``progress(done, total)`` after each."""
     stats = RepackStats(seen=len(weights))
     for i, w in enumerate(weights, 1):
         if isinstance(w, QuantMatrix):
