@@ -143,18 +143,19 @@ def test_no_repack_keeps_the_mapping(model: Path) -> None:
 
 
 @pytest.mark.parametrize("mmap", [True, False])
-def test_release_keeps_the_bytes_and_refuses_other_memory(model: Path, mmap: bool) -> None:
-    """Released pages read back with the file's bytes (gguf-py's view of the tensor); a copy
-    read into memory drops nothing; memory outside the mapping is refused."""
+def test_packing_keeps_the_mapped_bytes_and_refuses_other_memory(model: Path, mmap: bool) -> None:
+    """A packed matrix's mapped bytes read back as the file holds them (gguf-py's view of the
+    tensor) once their pages are dropped; a copy read into memory drops nothing; bytes
+    outside the mapping are refused before anything is packed."""
     gguf = GGUFFile(model, mmap=mmap)
     name = "token_embd.weight"
-    raw = gguf.raw(name)
-    dropped = gguf.handle.release([(raw.ctypes.data, raw.nbytes)])
-    assert (dropped > 0) == mmap and dropped <= raw.nbytes
+    m = gguf.matrix(name)
+    packed, dropped = m.spec.pack(gguf.handle)
+    assert packed == (m.info.name in PACKED_TYPES.get(_core.cpu_kernel_isa(), set()))
+    assert dropped <= m.raw.nbytes and (dropped > 0) == (packed and mmap)
     want = next(t for t in GGUFReader(model).tensors if t.name == name)
-    assert np.array_equal(raw, np.asarray(want.data).view(np.uint8).reshape(-1))
-    other = np.zeros(1 << 16, dtype=np.uint8)
+    assert np.array_equal(m.raw, np.asarray(want.data).view(np.uint8).reshape(-1))
+    other = QuantMatrix(m.raw.copy(), m.qtype, m.shape)
     with pytest.raises(InvalidInputError, match="not inside the mapping"):
-        gguf.handle.release([(other.ctypes.data, other.nbytes)])
-    with pytest.raises(InvalidInputError):
-        gguf.handle.release([(raw.ctypes.data, raw.nbytes + (64 << 30))])
+        other.spec.pack(gguf.handle)
+    assert not other.spec.packed

@@ -61,6 +61,20 @@ impl PackedRows {
         n: usize,
         k: usize,
     ) -> Result<Option<PackedRows>> {
+        Self::new_then(pool, data, t, n, k, &|_| {})
+    }
+
+    /// As [`PackedRows::new`], calling `packed(src)` with each run of `data` once it is
+    /// copied (from the pool's threads), so that a caller can let the source go piece by
+    /// piece (dropping mapped pages) instead of holding both copies whole.
+    pub fn new_then(
+        pool: &ThreadPool,
+        data: &[u8],
+        t: GgmlType,
+        n: usize,
+        k: usize,
+        packed: &(dyn Fn(&[u8]) + Sync),
+    ) -> Result<Option<PackedRows>> {
         let dots = RowDots::new(VecDot::new(t, k)?)?;
         if !dots.packs() {
             return Ok(None);
@@ -89,6 +103,7 @@ impl PackedRows {
             let mut task = tasks[i].lock().unwrap_or_else(|e| e.into_inner());
             let (src, dst) = &mut *task;
             dots.pack(src, dst);
+            packed(src);
         });
         drop(tasks);
         let packed = PackedRows {
@@ -202,6 +217,21 @@ mod tests {
         );
         let pool = ThreadPool::new(2);
         let pack = |data: &[u8], t, n, k| PackedRows::new(&pool, data, t, n, k).unwrap();
+        // `new_then` hands back every byte of the source once, in runs.
+        let runs = Mutex::new(Vec::new());
+        let seen = |run: &[u8]| {
+            let at = run.as_ptr() as usize - g.as_ptr() as usize;
+            runs.lock().unwrap().push((at, run.len()));
+        };
+        let then = PackedRows::new_then(&pool, g, tg, ffn, hidden, &seen).unwrap();
+        let mut runs = runs.into_inner().unwrap();
+        runs.sort_unstable();
+        let ends = runs.iter().fold(0, |end, &(at, len)| {
+            assert_eq!(at, end, "runs {runs:?}");
+            at + len
+        });
+        assert_eq!(ends, if then.is_some() { g.len() } else { 0 });
+        drop(then);
         let Some(pg) = pack(g, tg, ffn, hidden) else {
             let dots = RowDots::new(VecDot::new(tg, hidden).unwrap()).unwrap();
             assert!(!dots.packs(), "packed kernels, no packed rows");

@@ -115,14 +115,6 @@ impl PyGgufFile {
             .collect()
     }
 
-    /// Drops the process's pages of `(address, bytes)` ranges of the mapping whose bytes the
-    /// caller holds elsewhere (weights packed for the CPU kernels): they are read from the
-    /// file again if touched. A copy read into memory keeps its pages. Returns the bytes
-    /// dropped; a range outside the mapping is an InvalidInputError.
-    fn release(&self, py: Python<'_>, ranges: Vec<(usize, usize)>) -> PyResult<usize> {
-        py.detach(|| self.inner.release(&ranges)).py_err()
-    }
-
     /// A tensor's bytes in the mapping, as a read-only buffer that keeps the mapping alive.
     fn tensor_data(&self, name: &str) -> PyResult<MappedBytes> {
         let t = self.inner.tensor(name).py_err()?;

@@ -9,6 +9,7 @@ mod errors;
 mod gguf;
 mod host;
 mod moe;
+mod pack;
 mod quant;
 mod slots;
 mod threads;

@@ -4,6 +4,7 @@
 use crate::errors::{to_py, IntoPy};
 use crate::gguf::PyGgufFile;
 use crate::host::{check_disjoint, Dtype, HostArray, Raw};
+use crate::pack::pack_releasing;
 use freetoken_ggml::{Error, GgmlType, Result};
 use ft_core::counters::MoeCounters;
 use ft_core::experts::ExpertTensor;
@@ -177,19 +178,6 @@ impl PyMoeLayer {
         }
     }
 
-    /// Each kind's experts packed on `pool` where the kernels in use pack its type.
-    fn pack_with(&self, pool: &ThreadPool) -> Result<[Vec<PackedRows>; 3]> {
-        let pack = |t: &ExpertTensor| -> Result<Vec<PackedRows>> {
-            let packed = t
-                .slices(&self.file)
-                .into_iter()
-                .map(|m| PackedRows::new(pool, m, t.ty, t.rows, t.k))
-                .collect::<Result<Option<Vec<_>>>>()?;
-            Ok(packed.unwrap_or_default())
-        };
-        Ok([pack(&self.gate)?, pack(&self.up)?, pack(&self.down)?])
-    }
-
     /// The layer on `x`, `ids`, `weights` into `out` (their shapes checked by the forward).
     #[allow(clippy::too_many_arguments)]
     fn run(
@@ -212,6 +200,26 @@ impl PyMoeLayer {
                 .record_routes(self.index, ids, self.up.n_experts());
         }
         Ok(())
+    }
+
+    /// Each kind's experts packed on `pool` where the kernels in use pack its type, their
+    /// mapped pages dropped as they are copied; and the bytes dropped.
+    fn pack_with(&self, pool: &ThreadPool) -> Result<([Vec<PackedRows>; 3], usize)> {
+        let mut released = 0;
+        let mut pack = |t: &ExpertTensor| -> Result<Vec<PackedRows>> {
+            let mut packed = Vec::new();
+            for m in t.slices(&self.file) {
+                let (p, dropped) = pack_releasing(pool, Some(&self.file), m, t.ty, t.rows, t.k)?;
+                released += dropped;
+                match p {
+                    Some(p) => packed.push(p),
+                    None => return Ok(Vec::new()),
+                }
+            }
+            Ok(packed)
+        };
+        let kinds = [pack(&self.gate)?, pack(&self.up)?, pack(&self.down)?];
+        Ok((kinds, released))
     }
 }
 
@@ -358,17 +366,20 @@ impl PyMoeLayer {
 
     /// Packs each kind's experts for the CPU kernels in use where they read a packed layout
     /// faster (AVX2: Q4_0, Q8_0, Q4_K), for engines that compute this layer's experts on the
-    /// CPU only: the executor then reads the copies; `matrices` keeps giving the mapping's
-    /// ranges. Returns the kinds packed (`packed`).
-    fn pack(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
+    /// CPU only: the executor then reads the copies, and the originals' mapped pages are
+    /// dropped as they are copied (`matrices` keeps giving the mapping's ranges, read from
+    /// the file again if touched). Returns the kinds packed (`packed`) and the bytes dropped.
+    fn pack(&self, py: Python<'_>) -> PyResult<(Vec<&'static str>, usize)> {
+        let mut released = 0;
         if self.packed.get().is_none() {
-            let made = py
+            let (made, dropped) = py
                 .detach(|| self.pack_with(&crate::threads::pool()))
                 .py_err()?;
+            released = dropped;
             // Two callers packing at once: the first copies stay, the others are dropped.
             let _ = self.packed.set(made);
         }
-        Ok(self.packed())
+        Ok((self.packed(), released))
     }
 
     /// The kinds ("gate", "up", "down") whose experts the executor reads packed.

@@ -1,7 +1,9 @@
 //! Quantization entry points: type queries, dequantize, quantize, the quantized product.
 
 use crate::errors::{to_py, IntoPy};
+use crate::gguf::PyGgufFile;
 use crate::host::{check_disjoint, Dtype, HostArray};
+use crate::pack::pack_releasing;
 use crate::threads::pool;
 use freetoken_ggml::{Error, GgmlType, Result};
 use ft_cpu::{PackedRows, QuantWeight};
@@ -166,20 +168,26 @@ impl PyQuantWeight {
 
     /// Packs the rows for the CPU kernels in use where they read a packed layout faster
     /// (AVX2: Q4_0, Q8_0, Q4_K), for engines whose products of this weight all run on the
-    /// CPU; later products read the copy. Returns whether the weight is packed.
-    fn pack(&self, py: Python<'_>) -> PyResult<bool> {
+    /// CPU; later products read the copy. With `mapping`, the file whose mapping holds the
+    /// bytes, their pages are dropped as they are copied (an error if the bytes are not in
+    /// it). Returns whether the weight is packed and the mapped bytes dropped.
+    #[pyo3(signature = (mapping=None))]
+    fn pack(&self, py: Python<'_>, mapping: Option<&PyGgufFile>) -> PyResult<(bool, usize)> {
+        let mut released = 0;
         if self.packed.get().is_none() {
             // SAFETY: the held array outlives the call; it is only read.
             let data = unsafe { self.bytes.raw::<u8>().slice() };
-            let made = py
-                .detach(|| PackedRows::new(&pool(), data, self.ty, self.n, self.k))
+            let file = mapping.map(|m| &*m.inner);
+            let (made, dropped) = py
+                .detach(|| pack_releasing(&pool(), file, data, self.ty, self.n, self.k))
                 .py_err()?;
+            released = dropped;
             if let Some(p) = made {
                 // Two callers packing at once: the first copy stays, the other is dropped.
                 let _ = self.packed.set(p);
             }
         }
-        Ok(self.packed.get().is_some())
+        Ok((self.packed.get().is_some(), released))
     }
 
     /// Whether the products read a packed copy (`pack`).

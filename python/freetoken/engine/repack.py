@@ -69,12 +69,6 @@ def _weights(val: Any, seen: set[int]) -> Iterator[QuantMatrix | _core.MoeLayer]
             yield from _weights(v, seen)
 
 
-def _ranges(weight: QuantMatrix | _core.MoeLayer, kinds: list[str]) -> list[tuple[int, int]]:
-    if isinstance(weight, QuantMatrix):
-        return [(weight.raw.ctypes.data, weight.raw.nbytes)]
-    return [r for kind in kinds for r in weight.matrices(kind).ranges]
-
-
 def cpu_served(model: Transformer, place: Placement) -> list[_core.MoeLayer]:
     """The expert layers of ``model`` that only the CPU serves under ``place``: no GPU reads
     their bytes."""
@@ -92,17 +86,17 @@ def repack(
     progress: Callable[[int, int], None] | None = None,
 ) -> RepackStats:
     """Packs each of ``weights`` (matrices and expert layers whose bytes ``gguf`` maps and
-    only the CPU reads) that the CPU kernels in use read faster packed, then drops the
-    originals' mapped pages; ``progress(done, total)`` after each."""
+    only the CPU reads) that the CPU kernels in use read faster packed, dropping the
+    originals' mapped pages as they are copied; ``progress(done, total)`` after each."""
     stats = RepackStats(seen=len(weights))
     for i, w in enumerate(weights, 1):
         if isinstance(w, QuantMatrix):
-            kinds = ["matrix"] if w.spec.pack() else []
+            packed, released = w.spec.pack(gguf.handle)
         else:
-            kinds = w.pack()
-        if kinds:
-            stats.packed += 1
-            stats.released += gguf.handle.release(_ranges(w, kinds))
+            kinds, released = w.pack()
+            packed = bool(kinds)
+        stats.packed += packed
+        stats.released += released
         if progress is not None:
             progress(i, len(weights))
     return stats

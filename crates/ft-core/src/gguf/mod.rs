@@ -31,6 +31,10 @@ pub struct TensorInfo {
     pub nbytes: usize,
 }
 
+/// The unit [`GgufFile::release`] drops: the smallest page size, so that a run it drops
+/// never reaches outside the view it is given on any host.
+pub const PAGE: usize = 4096;
+
 /// A parsed, mapped GGUF model.
 pub struct GgufFile {
     paths: Vec<PathBuf>,
@@ -316,46 +320,56 @@ impl GgufFile {
         &self.maps[file][offset..offset + len]
     }
 
-    /// Drops this process's pages of each `(address, bytes)` range of the mapping, for callers
-    /// that keep their own copy of those bytes (weights packed for the CPU kernels): the
-    /// kernel reads them from the file again if they are touched later, so the process stops
-    /// holding both. Only whole 4 KiB-aligned runs inside a range are dropped, leaving the
-    /// neighbours' pages; copies in anonymous memory (`read_into_memory`) have no file to
-    /// read from and keep theirs. A range outside the mapping is an error. Returns the bytes
-    /// dropped.
-    pub fn release(&self, ranges: &[(usize, usize)]) -> Result<usize> {
-        const RUN: usize = 4096;
-        let mut dropped = 0;
-        for &(at, len) in ranges {
-            let map = self
-                .maps
-                .iter()
-                .find(|m| {
-                    let start = m.as_ptr() as usize;
-                    at >= start
-                        && at
-                            .checked_add(len)
-                            .is_some_and(|end| end <= start + m.len())
-                })
-                .ok_or_else(|| {
-                    Error::InvalidInput(format!(
-                        "{len} bytes at {at:#x} are not inside the mapping of {}",
-                        self.paths[0].display()
-                    ))
-                })?;
-            let (first, end) = (at.next_multiple_of(RUN), (at + len) / RUN * RUN);
-            if !self.file_backed || end <= first {
-                continue;
-            }
-            let offset = first - map.as_ptr() as usize;
-            // SAFETY: the map is a read-only, private file mapping that is never written, so
-            // a dropped page reads back from the file with the bytes it held: views of it
-            // see no change (the hazard is the map's own, a file changed underneath).
-            unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, end - first) }
-                .map_err(|e| Error::Io(format!("cannot release mapped pages: {e}")))?;
-            dropped += end - first;
+    /// The map holding all `len` bytes at address `at`.
+    fn map_of(&self, at: usize, len: usize) -> Result<&Mmap> {
+        self.maps
+            .iter()
+            .find(|m| {
+                let start = m.as_ptr() as usize;
+                at >= start
+                    && at
+                        .checked_add(len)
+                        .is_some_and(|end| end <= start + m.len())
+            })
+            .ok_or_else(|| {
+                Error::InvalidInput(format!(
+                    "{len} bytes at {at:#x} are not inside the mapping of {}",
+                    self.paths[0].display()
+                ))
+            })
+    }
+
+    /// Whether `bytes` lie inside the mapping; an error naming the file if not.
+    pub fn check_mapped(&self, bytes: &[u8]) -> Result<()> {
+        self.map_of(bytes.as_ptr() as usize, bytes.len())
+            .map(|_| ())
+    }
+
+    /// Drops this process's pages of `bytes`, a view of the mapping, for callers that keep
+    /// their own copy of them (weights packed for the CPU kernels): the kernel reads them
+    /// from the file again if they are touched later, so the process stops holding both.
+    /// Only whole [`PAGE`]-aligned runs inside the view are dropped, leaving the neighbours'
+    /// pages; copies in anonymous memory (`read_into_memory`) have no file to read from and
+    /// keep theirs. A view outside the mapping is an error. Returns the bytes dropped.
+    pub fn release(&self, bytes: &[u8]) -> Result<usize> {
+        let (at, len) = (bytes.as_ptr() as usize, bytes.len());
+        let map = self.map_of(at, len)?;
+        let (first, end) = (at.next_multiple_of(PAGE), (at + len) / PAGE * PAGE);
+        if !self.file_backed || end <= first {
+            return Ok(0);
         }
-        Ok(dropped)
+        // SAFETY: the map is a read-only, private file mapping that is never written, so a
+        // dropped page reads back from the file with the bytes it held: views of it see no
+        // change (the hazard is the map's own, a file changed underneath).
+        unsafe {
+            map.unchecked_advise_range(
+                UncheckedAdvice::DontNeed,
+                first - map.as_ptr() as usize,
+                end - first,
+            )
+        }
+        .map_err(|e| Error::Io(format!("cannot release mapped pages: {e}")))?;
+        Ok(end - first)
     }
 
     /// Bytes of all parts together.
@@ -506,7 +520,7 @@ mod tests {
     }
 
     /// Released pages read back with the file's bytes (whole 4 KiB runs dropped, the
-    /// partial ones kept), an anonymous copy drops nothing and keeps its bytes, and a range
+    /// partial ones kept), an anonymous copy drops nothing and keeps its bytes, and a view
     /// outside the mapping is refused.
     #[test]
     fn released_pages_read_back_from_the_file() {
@@ -520,6 +534,7 @@ mod tests {
         let p = write(&bytes, "release");
         let n = bytes.len();
         let mut f = GgufFile::open(&p).unwrap();
+        let outside = vec![1u8; 8192];
         for copy in [false, true] {
             if copy {
                 f.read_into_memory(|_, _| {}).unwrap();
@@ -528,14 +543,14 @@ mod tests {
             assert_eq!(all, &bytes[..]);
             let at = all.as_ptr() as usize;
             // From byte 100 to the end: the runs of the second and later 4 KiB pages.
-            let dropped = f.release(&[(at + 100, n - 100)]).unwrap();
-            let runs = (at + n) / 4096 * 4096 - (at + 100).next_multiple_of(4096);
+            let dropped = f.release(&all[100..]).unwrap();
+            let runs = (at + n) / PAGE * PAGE - (at + 100).next_multiple_of(PAGE);
             assert_eq!(dropped, if copy { 0 } else { runs }, "copy {copy}");
             assert_eq!(f.bytes(0, 0, n), &bytes[..], "copy {copy}");
-            for outside in [(at + 1, n), (at - 1, 2), (usize::MAX, 2)] {
-                let e = f.release(&[outside]).err().unwrap();
-                assert!(matches!(e, Error::InvalidInput(_)), "{e}");
-            }
+            assert!(f.check_mapped(&all[1..]).is_ok());
+            let e = f.release(&outside).err().unwrap();
+            assert!(matches!(e, Error::InvalidInput(_)), "{e}");
+            assert!(f.check_mapped(&outside).is_err());
         }
     }
 }
