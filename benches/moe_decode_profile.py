@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import torch
 from freetoken import _core
+from freetoken.engine.options import EngineOptions
 from freetoken.llm import LLM
 from freetoken.runtime import moe
 
@@ -54,8 +55,15 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-nr", "--no-repack", action="store_true", help="keep the file's rows")
     args = ap.parse_args()
-    llm = LLM(args.model, n_ctx=max(args.n + 1, 64), n_threads=args.threads, progress=False)
+    llm = LLM(
+        args.model,
+        n_ctx=max(args.n + 1, 64),
+        n_threads=args.threads,
+        progress=False,
+        engine=EngineOptions(repack=not args.no_repack),
+    )
     moe.MoeFFN.__call__ = _timed_moe  # type: ignore[method-assign]
     moe.CpuExperts.run = _timed_run  # type: ignore[method-assign]
     rng = random.Random(1)
