@@ -34,4 +34,4 @@ bash scripts/fuzz.sh 10
 export FREETOKEN_CPU_ISA=avx2
 cargo test -p ft-cpu -q
 pytest -q tests/test_quant_matmul.py tests/test_moe_executor.py tests/test_moe_models.py \
-    tests/test_models_vs_llamacpp.py tests/test_cpu_isa.py
+    tests/test_models_vs_llamacpp.py tests/test_cpu_isa.py tests/test_repack.py

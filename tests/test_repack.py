@@ -116,6 +116,37 @@ def test_the_cpu_engine_packs_what_the_level_reads_packed(model: Path) -> None:
     assert _mapped_rss(model) <= model.stat().st_size - llm.repacked.released // 2
 
 
+@pytest.mark.slow
+def test_per_expert_tensors_pack_and_track_llamacpp(
+    tmp_path_factory: pytest.TempPathFactory, llama_ref_root: Path
+) -> None:
+    """Experts stored one tensor each (Mixtral's older layout, which llama.cpp no longer
+    loads: it runs the stacked file of the same seed, the same weights) are packed one
+    buffer per expert instead of one per kind, and the model still tracks llama.cpp
+    teacher-forced."""
+    import llama_ref
+    from teacher_forced import compare
+    from test_models_vs_llamacpp import MAX_KL, PROMPTS
+
+    spec = dict(arch="llama", experts=8, top_k=2, expert_ffn=256, quant="q8_0,exps=q4_0")
+    base = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, seed=7)
+    specs = {"stacked": spec, "per-expert": {**spec, "expert_layout": "per-expert"}}
+    files = build_models(specs, base, tmp_path_factory.mktemp("per-expert"))
+    llm = LLM(files["per-expert"], n_ctx=128, engine=EngineOptions(device="cpu"))
+    packable = _core.cpu_kernel_isa() in PACKED_TYPES
+    for w in quantized_weights(llm.model):
+        if not isinstance(w, QuantMatrix):
+            assert w.packed == (["gate", "up", "down"] if packable else []), w.index
+    load = llama_ref.LlamaRef.load
+    with load(files["stacked"], n_ctx=128, n_threads=2, root=llama_ref_root) as ref:
+        for prompt in PROMPTS[:2]:
+            tokens = ref.tokenize(prompt)
+            seq = tokens + ref.greedy(tokens, 16)
+            rows = slice(len(tokens) - 1, len(seq) - 1)
+            c = compare(ref.logits(seq)[rows], llm.logits(seq)[rows].numpy())
+            assert not c.mismatches and c.mean_kl <= MAX_KL, f"{prompt!r}: {c.describe()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("strategy", "cpu_layers", "served"),

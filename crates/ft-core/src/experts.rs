@@ -107,6 +107,20 @@ impl ExpertTensor {
         self.parts.first().map_or(0, |p| p.2)
     }
 
+    /// Every expert's bytes as one run of `file` when they lie back to back in one part (a
+    /// stacked tensor), expert order; None otherwise (per-expert tensors, fused halves).
+    pub fn stacked<'a>(&self, file: &'a GgufFile) -> Option<&'a [u8]> {
+        let &(f, first, _) = self.parts.first()?;
+        let mut end = first;
+        for &(pf, off, len) in &self.parts {
+            if pf != f || off != end {
+                return None;
+            }
+            end += len;
+        }
+        Some(file.bytes(f, first, end - first))
+    }
+
     /// Each expert's bytes, borrowed from `file` (the file this tensor was resolved in).
     pub fn slices<'a>(&self, file: &'a GgufFile) -> Vec<&'a [u8]> {
         self.parts

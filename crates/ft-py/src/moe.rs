@@ -139,7 +139,8 @@ pub struct PyMoeLayer {
     down: ExpertTensor,
     biases: [Option<(usize, usize, usize)>; 3],
     act: Activation,
-    /// Per kind (gate, up, down), each expert's packed matrix; empty for a kind not packed.
+    /// Per kind (gate, up, down), the experts' packed matrices in expert order (one buffer of
+    /// all, or one per expert); empty for a kind not packed.
     packed: OnceLock<[Vec<PackedRows>; 3]>,
 }
 
@@ -156,7 +157,10 @@ impl PyMoeLayer {
             unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), len / 4) }
         });
         let experts = match self.packed.get().map(|p| &p[kind]) {
-            Some(packed) if !packed.is_empty() => packed.iter().map(|p| p.matrix(0)).collect(),
+            Some(packed) if !packed.is_empty() => packed
+                .iter()
+                .flat_map(|p| (0..p.matrices()).map(|i| p.matrix(i)))
+                .collect(),
             _ => t.slices(&self.file),
         };
         ExpertMats {
@@ -202,14 +206,19 @@ impl PyMoeLayer {
         Ok(())
     }
 
-    /// Each kind's experts packed on `pool` where the kernels in use pack its type, their
-    /// mapped pages dropped as they are copied; and the bytes dropped.
+    /// Each kind's experts packed on `pool` where the kernels in use pack its type (one
+    /// buffer for a stacked tensor, else one per expert), their mapped pages dropped as they
+    /// are copied; and the bytes dropped.
     fn pack_with(&self, pool: &ThreadPool) -> Result<([Vec<PackedRows>; 3], usize)> {
         let mut released = 0;
         let mut pack = |t: &ExpertTensor| -> Result<Vec<PackedRows>> {
+            let runs = match t.stacked(&self.file) {
+                Some(all) => vec![all],
+                None => t.slices(&self.file),
+            };
             let mut packed = Vec::new();
-            for m in t.slices(&self.file) {
-                let (p, dropped) = pack_releasing(pool, Some(&self.file), m, t.ty, t.rows, t.k)?;
+            for run in runs {
+                let (p, dropped) = pack_releasing(pool, Some(&self.file), run, t.ty, t.rows, t.k)?;
                 released += dropped;
                 match p {
                     Some(p) => packed.push(p),
