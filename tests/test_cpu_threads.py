@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from freetoken import _core
-from freetoken.engine.options import POLL_STEP_US, EngineOptions
+from freetoken.engine.options import CPU_ENGINE_POLL, POLL_STEP_US, EngineOptions
 from freetoken.errors import InvalidInputError
 from freetoken.llm import LLM
 from freetoken.runtime.moe import default_threads
@@ -50,6 +50,22 @@ def test_threads_and_poll_reach_both_pools(model: Path) -> None:
     # Work is split by task index, not by thread, so parked and polling workers (and one
     # thread against two) compute the same bits.
     assert torch.equal(parked, polled)
+
+
+def test_the_cpu_engine_shares_one_pool(model: Path) -> None:
+    """On the CPU engine an executor of the process pool's size runs on that pool, which
+    polls for llama.cpp's default (level 50) unless ``--poll`` says; one of another size
+    keeps its own; a shared executor of the wrong size is refused."""
+    llm, shared = _logits(model, 2, EngineOptions(device="cpu"))
+    executor = llm.model.moe.executor
+    assert executor.shared and executor.n_threads == 2
+    assert executor.poll_us == _core.poll_us() == CPU_ENGINE_POLL * POLL_STEP_US
+    llm, own = _logits(model, 2, EngineOptions(device="cpu", moe_cpu_threads=1, poll=3))
+    executor = llm.model.moe.executor
+    assert not executor.shared and (executor.n_threads, executor.poll_us) == (1, 60)
+    assert torch.equal(shared, own)
+    with pytest.raises(InvalidInputError, match="process pool"):
+        _core.MoeExecutor(_core.num_threads() + 1, shared=True)
 
 
 @pytest.mark.parametrize("poll", [-1, 101])

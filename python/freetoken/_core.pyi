@@ -283,8 +283,14 @@ class MoeTicket:
 @final
 class MoeExecutor:
     def __new__(
-        cls, n_threads: int, residual_acts: bool = False, poll_us: int | None = None
+        cls,
+        n_threads: int,
+        residual_acts: bool = False,
+        poll_us: int | None = None,
+        shared: bool = False,
     ) -> MoeExecutor: ...
+    @property
+    def shared(self) -> bool: ...
     @property
     def n_threads(self) -> int: ...
     @property

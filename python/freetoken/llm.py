@@ -110,7 +110,8 @@ class LLM:
         engine = engine or EngineOptions()
         if n_threads is not None and n_threads < 1:
             raise InvalidInputError(f"n_threads must be at least 1, got {n_threads}")
-        poll_us = engine.poll_us
+        with_gpu = engine_options.use_gpu(engine)
+        poll_us = engine.pool_poll_us(with_gpu)
         if n_threads is not None or poll_us is not None:
             _core.set_num_threads(n_threads or _core.num_threads(), poll_us)
         self._torch_threads = torch.get_num_threads()
@@ -120,11 +121,13 @@ class LLM:
         reading = ProgressBar(f"reading {name}") if progress and not engine.mmap else None
         self.gguf = GGUFFile(self.path, mmap=engine.mmap, progress=reading)
         bar = ProgressBar(f"loading {name}") if progress else None
-        # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t).
-        moe_threads = (
-            engine.moe_cpu_threads or n_threads or default_threads(engine_options.use_gpu(engine))
+        # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t). On
+        # the CPU engine an executor of the process pool's size shares that pool.
+        moe_threads = engine.moe_cpu_threads or n_threads or default_threads(with_gpu)
+        shared = not with_gpu and moe_threads == _core.num_threads()
+        self.model = load_model(
+            self.gguf, bar, moe_threads, engine.moe_cpu_precise, poll_us, moe_shared=shared
         )
-        self.model = load_model(self.gguf, bar, moe_threads, engine.moe_cpu_precise, engine.poll_us)
         self.model.swa_full = engine.swa_full
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:

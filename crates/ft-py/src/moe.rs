@@ -491,6 +491,7 @@ pub struct PyMoeExecutor {
     pool: Arc<ThreadPool>,
     background: Background,
     residual_acts: bool,
+    shared: bool,
 }
 
 /// A submitted call; `wait()` returns when it is done. Holds the call's arrays alive.
@@ -541,15 +542,43 @@ impl PyMoeExecutor {
     /// `residual_acts`: quantize each activation in two passes, the row and its rounding
     /// residual (`ft_cpu::ForwardOptions`): results track float math instead of carrying
     /// ggml's activation rounding, for a second dot product per row. `poll_us`: how long
-    /// idle workers poll for the next job before they sleep (default: ft_cpu's).
+    /// idle workers poll for the next job before they sleep (default: ft_cpu's). `shared`:
+    /// run on the process pool (`set_num_threads`), whose `n_threads` it must have, instead
+    /// of a pool of its own, for engines whose dense products and experts take turns on the
+    /// same cores (the CPU engine): the idle pool's spinning workers would otherwise take
+    /// cores from the busy one's; `poll_us` is then the process pool's.
     #[new]
-    #[pyo3(signature = (n_threads, residual_acts=false, poll_us=None))]
-    fn new(n_threads: usize, residual_acts: bool, poll_us: Option<u64>) -> Self {
-        PyMoeExecutor {
-            pool: Arc::new(crate::threads::new_pool(n_threads, poll_us)),
+    #[pyo3(signature = (n_threads, residual_acts=false, poll_us=None, shared=false))]
+    fn new(
+        n_threads: usize,
+        residual_acts: bool,
+        poll_us: Option<u64>,
+        shared: bool,
+    ) -> PyResult<Self> {
+        let pool = if shared {
+            let pool = crate::threads::pool();
+            if pool.n_threads() != n_threads {
+                return Err(to_py(Error::InvalidInput(format!(
+                    "a shared expert executor runs on the process pool's {} threads, not {n_threads}",
+                    pool.n_threads()
+                ))));
+            }
+            pool
+        } else {
+            Arc::new(crate::threads::new_pool(n_threads, poll_us))
+        };
+        Ok(PyMoeExecutor {
+            pool,
             background: Background::new("ft-moe"),
             residual_acts,
-        }
+            shared,
+        })
+    }
+
+    /// Whether it runs on the process pool.
+    #[getter]
+    fn shared(&self) -> bool {
+        self.shared
     }
 
     #[getter]

@@ -39,6 +39,11 @@ CACHE_SCOPES = ("type", "per-layer")
 DENSE_MODES = ("quant", "bf16")
 #: Microseconds of polling per ``--poll`` level (llama.cpp's 0-100 scale).
 POLL_STEP_US = 20
+#: ``--poll``'s default on the CPU engine: llama.cpp's level, 1 ms. Its one pool serves a
+#: step's dense products and experts in turn, calls tens of microseconds apart, so workers
+#: that keep polling between them start each at once (benches/README.md, "The engine on
+#: packed rows"); GPU placements keep the pools' 100 µs.
+CPU_ENGINE_POLL = 50
 
 _log = logging.getLogger("freetoken")
 
@@ -56,7 +61,8 @@ class EngineOptions:
     ``moe_cpu_threads``: the CPU expert executor's threads (default: ``-t``);
     ``moe_cpu_precise``: its activations quantized in two passes (runtime/moe.py,
     ``default_executor``). ``poll``: llama.cpp's ``--poll`` level, 0-100: idle CPU workers
-    poll for the next job ``poll`` x 20 µs before they sleep (None: 100 µs).
+    poll for the next job ``poll`` x 20 µs before they sleep (None: 1 ms on the CPU engine,
+    llama.cpp's, and 100 µs with a GPU).
     ``moe_cpu_layers``: MoE layers only the CPU serves (ids and ranges, a count, or ``auto``:
     engine/cpu_layers.py).
     ``moe_cache_audit``: a JSONL file that gets one record per generation (engine/audit.py).
@@ -138,6 +144,12 @@ class EngineOptions:
         """How long idle CPU workers poll, in microseconds (None: the pools' default)."""
         return None if self.poll is None else self.poll * POLL_STEP_US
 
+    def pool_poll_us(self, with_gpu: bool) -> int | None:
+        """``poll_us``, or without ``--poll`` on the CPU engine :data:`CPU_ENGINE_POLL`'s."""
+        if self.poll is None and not with_gpu:
+            return CPU_ENGINE_POLL * POLL_STEP_US
+        return self.poll_us
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Adds the engine flags to ``p``."""
@@ -158,7 +170,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="0-100",
         help=f"CPU workers poll for the next job N x {POLL_STEP_US} us before they sleep "
-        "(default: 5)",
+        f"(default: {CPU_ENGINE_POLL} on the CPU engine, as llama.cpp; 5 with a GPU)",
     )
     g.add_argument(
         "--moe-cpu-precise",

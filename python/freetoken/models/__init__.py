@@ -62,10 +62,11 @@ def load_model(
     moe_threads: int | None = None,
     moe_precise: bool = False,
     moe_poll_us: int | None = None,
+    moe_shared: bool = False,
 ) -> Transformer:
     """The model of ``gguf``'s architecture; UnsupportedError for an unknown one.
-    ``moe_threads``, ``moe_precise`` and ``moe_poll_us`` make the CPU expert executor of MoE
-    models (``default_executor``)."""
+    ``moe_threads``, ``moe_precise``, ``moe_poll_us`` and ``moe_shared`` make the CPU expert
+    executor of MoE models (``default_executor``)."""
     arch = gguf.architecture
     family = FAMILIES.get(arch)
     if family is None:
@@ -83,7 +84,8 @@ def load_model(
     # A family with an FFN factory is MoE when the file has experts (llama: Mixtral).
     if hasattr(family, "ffn_factory") and cfg.n_experts > 0:
         moe = MoeContext(
-            default_executor(moe_threads, moe_precise, moe_poll_us), _core.MoeCounters(cfg.n_layers)
+            default_executor(moe_threads, moe_precise, moe_poll_us, moe_shared),
+            _core.MoeCounters(cfg.n_layers),
         )
         make_ffn = family.ffn_factory(moe)
     # A family may build its own Transformer (the hybrids: HybridTransformer).

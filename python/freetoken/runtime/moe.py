@@ -42,17 +42,26 @@ def default_threads(with_gpu: bool) -> int:
 
 
 def default_executor(
-    n_threads: int | None = None, precise: bool = False, poll_us: int | None = None
+    n_threads: int | None = None,
+    precise: bool = False,
+    poll_us: int | None = None,
+    shared: bool = False,
 ) -> _core.MoeExecutor:
     """The process's CPU expert executor (``--moe-cpu-threads``, else ``-t``; default: all
     CPUs; LLM passes :func:`default_threads`). ``precise`` (``--moe-cpu-precise``):
     activations quantized in two passes, the row and its rounding residual, so that results
     track float math (about 0.01% per token) instead of ggml's (and llama.cpp's) activation
     rounding (1-3% with K-quants).
-    ``poll_us`` (``--poll``): how long idle workers poll for the next job before sleeping."""
+    ``poll_us`` (``--poll``): how long idle workers poll for the next job before sleeping.
+    ``shared``: on the process pool (``_core.set_num_threads``) instead of a pool of its own,
+    for the CPU engine, whose dense products and experts take turns on the same cores."""
     global _EXECUTOR
-    if (
+    if shared:
+        # The process pool may have been replaced since: a shared executor is made anew.
+        _EXECUTOR = _core.MoeExecutor(n_threads or _core.num_threads(), precise, None, True)
+    elif (
         _EXECUTOR is None
+        or _EXECUTOR.shared
         or (n_threads is not None and _EXECUTOR.n_threads != n_threads)
         or _EXECUTOR.residual_acts != precise
         or (poll_us is not None and _EXECUTOR.poll_us != poll_us)
