@@ -17,7 +17,7 @@ pub struct DeltaShape {
 /// The step over every head: `q, k [heads * dk]` (the query already scaled), `v [heads *
 /// dv]`, `g, beta [heads]`, `state [heads * dk * dv]` (row-major `[head][k][v]`), updated in
 /// place, and the output `out [heads * dv]`. The caller checks the lengths
-/// ([`DeltaShape::check`]).
+/// ([`DeltaShape::from_lengths`]); others end in a bounds-check panic.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule_step(
     shape: DeltaShape,
@@ -30,17 +30,6 @@ pub fn delta_rule_step(
     out: &mut [f32],
 ) {
     let DeltaShape { heads, dk, dv } = shape;
-    debug_assert!(shape
-        .check(
-            q.len(),
-            k.len(),
-            v.len(),
-            g.len(),
-            beta.len(),
-            state.len(),
-            out.len()
-        )
-        .is_ok());
     let mut delta = vec![0.0f32; dv];
     for h in 0..heads {
         let s = &mut state[h * dk * dv..(h + 1) * dk * dv];
@@ -70,16 +59,8 @@ impl DeltaShape {
     /// The shape of a step's arrays from their lengths (`q, k, v, g, beta, state, out`, in
     /// that order): heads from `g`, key and value sizes from `q` and `v`; a description of
     /// the first length that does not fit, if any.
-    #[allow(clippy::too_many_arguments)]
-    pub fn from_lengths(
-        q: usize,
-        k: usize,
-        v: usize,
-        g: usize,
-        beta: usize,
-        state: usize,
-        out: usize,
-    ) -> Result<DeltaShape, String> {
+    pub fn from_lengths(lengths: [usize; 7]) -> Result<DeltaShape, String> {
+        let [q, _, v, g, ..] = lengths;
         if g == 0 || !q.is_multiple_of(g) || !v.is_multiple_of(g) {
             return Err(format!("q of {q} and v of {v} values over {g} heads"));
         }
@@ -88,23 +69,14 @@ impl DeltaShape {
             dk: q / g,
             dv: v / g,
         };
-        shape.check(q, k, v, g, beta, state, out)?;
+        shape.check(lengths)?;
         Ok(shape)
     }
 
     /// A description of the first length that does not fit the shape, if any: `q, k, v, g,
     /// beta, state, out` in that order.
-    #[allow(clippy::too_many_arguments)]
-    pub fn check(
-        &self,
-        q: usize,
-        k: usize,
-        v: usize,
-        g: usize,
-        beta: usize,
-        state: usize,
-        out: usize,
-    ) -> Result<(), String> {
+    pub fn check(&self, lengths: [usize; 7]) -> Result<(), String> {
+        let [q, k, v, g, beta, state, out] = lengths;
         let Self { heads, dk, dv } = *self;
         let want = [
             ("q", q, heads * dk),
@@ -218,22 +190,21 @@ mod tests {
             dk: 4,
             dv: 3,
         };
-        assert!(shape.check(8, 8, 6, 2, 2, 24, 6).is_ok());
-        let err = shape.check(8, 8, 6, 2, 2, 23, 6).unwrap_err();
+        assert!(shape.check([8, 8, 6, 2, 2, 24, 6]).is_ok());
+        let err = shape.check([8, 8, 6, 2, 2, 23, 6]).unwrap_err();
         assert!(err.contains("state has 23 values, 24 expected"), "{err}");
         assert!(shape
-            .check(8, 7, 6, 2, 2, 24, 6)
+            .check([8, 7, 6, 2, 2, 24, 6])
             .unwrap_err()
             .starts_with("k has 7"));
-        let from = DeltaShape::from_lengths(8, 8, 6, 2, 2, 24, 6).unwrap();
+        let from = DeltaShape::from_lengths([8, 8, 6, 2, 2, 24, 6]).unwrap();
         assert_eq!((from.heads, from.dk, from.dv), (2, 4, 3));
         for (lens, says) in [
             ([8, 8, 6, 0, 2, 24, 6], "over 0 heads"),
             ([9, 8, 6, 2, 2, 24, 6], "q of 9"),
             ([8, 8, 6, 2, 3, 24, 6], "beta has 3"),
         ] {
-            let [q, k, v, g, beta, state, out] = lens;
-            let err = DeltaShape::from_lengths(q, k, v, g, beta, state, out).unwrap_err();
+            let err = DeltaShape::from_lengths(lens).unwrap_err();
             assert!(err.contains(says), "{err}");
         }
     }

@@ -29,16 +29,9 @@ pub fn delta_rule_step(
     let beta = HostArray::input(beta, Dtype::F32, "beta")?;
     let state = HostArray::output(state, Dtype::F32, "state")?;
     let out = HostArray::output(out, Dtype::F32, "out")?;
-    let shape = DeltaShape::from_lengths(
-        q.len(),
-        k.len(),
-        v.len(),
-        g.len(),
-        beta.len(),
-        state.len(),
-        out.len(),
-    )
-    .map_err(|e| to_py(Error::Shape(format!("delta_rule_step: {e}"))))?;
+    let lengths = [&q, &k, &v, &g, &beta, &state, &out].map(HostArray::len);
+    let shape = DeltaShape::from_lengths(lengths)
+        .map_err(|e| to_py(Error::Shape(format!("delta_rule_step: {e}"))))?;
     check_disjoint(&[&state, &out], &[&q, &k, &v, &g, &beta])?;
     let (rq, rk, rv, rg, rb) = (
         q.raw::<f32>(),
