@@ -165,7 +165,7 @@ class LLM:
         if self.spec.draft_model is not None:
             draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
             check_draft_vocab(self.gguf, draft_gguf)
-            self.draft = load_model(draft_gguf, None, moe_threads)
+            self.draft = load_model(draft_gguf, None, moe_threads, moe_shared=shared)
             # The draft model runs on the CPU whatever the target's placement.
             if engine.repack:
                 repack(quantized_weights(self.draft), draft_gguf)
