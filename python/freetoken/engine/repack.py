@@ -30,7 +30,7 @@ __all__ = ["RepackStats", "cpu_served", "quantized_weights", "repack"]
 
 @dataclass
 class RepackStats:
-    """What :func:`repack_for_cpu` did: matrices (an expert tensor counts once per kind)
+    """What :func:`repack` did: weights (a matrix, or an expert layer with any kind packed)
     packed, of those seen, and the mapped bytes it dropped."""
 
     packed: int = 0
