@@ -110,16 +110,17 @@ class LLM:
         engine = engine or EngineOptions()
         if n_threads is not None and n_threads < 1:
             raise InvalidInputError(f"n_threads must be at least 1, got {n_threads}")
+        self.path = os.fspath(path)
+        name = os.path.basename(self.path)
+        reading = ProgressBar(f"reading {name}") if progress and not engine.mmap else None
+        # The file first: a bad one is the one error reported, before the device is chosen.
+        self.gguf = GGUFFile(self.path, mmap=engine.mmap, progress=reading)
         with_gpu = engine_options.use_gpu(engine)
         poll_us = engine.pool_poll_us(with_gpu)
         if n_threads is not None or poll_us is not None:
             _core.set_num_threads(n_threads or _core.num_threads(), poll_us)
         self._torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        self.path = os.fspath(path)
-        name = os.path.basename(self.path)
-        reading = ProgressBar(f"reading {name}") if progress and not engine.mmap else None
-        self.gguf = GGUFFile(self.path, mmap=engine.mmap, progress=reading)
         bar = ProgressBar(f"loading {name}") if progress else None
         # -t sizes the expert executor too unless --moe-cpu-threads does (llama.cpp's -t). On
         # the CPU engine an executor of the process pool's size shares that pool.
