@@ -1,15 +1,16 @@
 """Where a GPU step's time goes: the CUDA kernels of one prompt pass and of eager decode
-steps (no graph, so each kernel shows), by total time and count, from torch.profiler; the
-replayed-graph decode step's time; with ``--batch N``, decode steps of N sequences at once
-(the server's continuous batching: eager), timed, with the host's share (hybrid's CPU thread
-busy time) and a profile of one.
+steps (no graph, so each kernel shows), by total time and count, from torch.profiler, and
+with ``--sequence N`` the first N kernels of a step in order; the replayed-graph decode
+step's time and the GPU's busy time within it; with ``--batch N``, decode steps of N
+sequences at once (the server's continuous batching: eager), timed, with the host's share
+(hybrid's CPU thread busy time) and a profile of one.
 
 With hybrid, also where the host's time goes over replayed decode steps (cProfile: waiting
 for the step, slot bookkeeping, uploads).
 
     python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant] \
         [--moe-strategy hybrid --moe-cache-mib N [--moe-cache-adaptive] \
-        [--moe-cache-profile FILE]] [-t THREADS] [--batch 4]
+        [--moe-cache-profile FILE]] [-t THREADS] [--batch 4] [--sequence 120]
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--batch", type=int, default=0, help="sequences of a batched decode step")
+    ap.add_argument(
+        "--sequence", type=int, default=0, help="list this many kernels of a step in order"
+    )
     args = ap.parse_args()
     llm = LLM(
         args.model,
@@ -79,6 +83,7 @@ def main() -> None:
     per_step = kernels / args.n
     print(f"\neager decode: {per_step:.0f} kernels per step, {per_step / layers:.1f} per layer")
     _table(prof, f"{args.n} eager decode steps", args.rows)
+    _sequence(prof, round(per_step), args.sequence)
 
     model.graphs = graphs
     cache.truncate(args.p)
@@ -89,11 +94,40 @@ def main() -> None:
     for i in range(32):
         model.forward([400 + i], cache)
     torch.cuda.synchronize()
-    print(f"\ngraph decode: {(time.perf_counter() - t0) / 32 * 1e3:.3f} ms per step")
+    wall = (time.perf_counter() - t0) / 32
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(32):
+            model.forward([500 + i], cache)
+        torch.cuda.synchronize()
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 32 / 1e3
+    print(
+        f"\ngraph decode: {wall * 1e3:.3f} ms per step, the GPU busy {busy:.3f} ms of it "
+        "(kernels and copies)"
+    )
     if model.step_hook is not None:
         host_profile(model, cache)
     if args.batch:
         batched_steps(model, args)
+
+
+def _sequence(prof: profile, per_step: int, n: int) -> None:
+    """The first ``n`` kernels of the last profiled step in the order they ran, a run of one
+    kernel repeated shown once with its count."""
+    if n <= 0:
+        return
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )[-per_step:][:n]
+    print(f"\n## the first {len(kernels)} kernels of the last eager decode step, in order")
+    runs: list[list] = []
+    for e in kernels:
+        if runs and runs[-1][0] == e.name:
+            runs[-1][1] += 1
+            runs[-1][2] += e.time_range.elapsed_us()
+        else:
+            runs.append([e.name, 1, e.time_range.elapsed_us()])
+    for name, count, us in runs:
+        print(f"{count:3d} x {us / count:7.2f} us  {name[:90]}")
 
 
 def host_profile(model: Transformer, cache: object, steps: int = 64) -> None:

@@ -160,6 +160,26 @@ def test_gpu_matches_cpu(
         _check(f"{what} prefill", ref, whole)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_input_projections_fused_by_type(name: str, model_files: dict[str, Path]) -> None:
+    """On the GPU a Gated DeltaNet layer's input projections (q/k/v channels, z gate, beta,
+    alpha) of one GGUF type share one product; one of another type keeps its own."""
+    from freetoken.models.delta_net import DeltaNetLayer
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type for t in GGUFReader(model_files[name]).tensors}
+    llm = _gpu_llm(model_files[name], "gpu")
+    layers = [blk.delta for blk in llm.model.blocks if isinstance(blk.delta, DeltaNetLayer)]
+    assert layers
+    for layer in layers:
+        kinds = [types[lin.name] for lin in layer.in_proj]
+        for lin, kind in zip(layer.in_proj, kinds, strict=True):
+            shared = kinds.count(kind) > 1
+            assert (lin.group is not None) == shared, (lin.name, kinds)
+            if shared:
+                assert len(lin.group.members) == kinds.count(kind), (lin.name, kinds)
+
+
 def _graphs_ran(model: Any) -> bool:
     """Whether decode steps were captured on a cache still alive."""
     return model.graphs is not None and bool(model.graphs.graphs)

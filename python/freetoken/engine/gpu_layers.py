@@ -53,6 +53,11 @@ class _Weight:
         return cls(n, k, pool, None)
 
     @property
+    def kind(self) -> object:
+        """What must match for weights to stack: the input size and the GGUF type or dtype."""
+        return (self.k, self.pool.qtype if self.pool is not None else self.dense.dtype)  # type: ignore[union-attr]
+
+    @property
     def device(self) -> torch.device:
         return self.pool.device if self.pool is not None else self.dense.device  # type: ignore[union-attr]
 
@@ -77,23 +82,16 @@ class _Weight:
         return y.view(t, self.n)
 
     @staticmethod
-    def concat(weights: Sequence[_Weight]) -> _Weight | None:
-        """The rows of ``weights`` stacked into one matrix, when they share the input size and
-        the type (quantized rows are whole blocks, so their bytes concatenate); else None."""
+    def concat(weights: Sequence[_Weight]) -> _Weight:
+        """The rows of ``weights``, all of one :attr:`kind`, stacked into one matrix
+        (quantized rows are whole blocks, so their bytes concatenate)."""
         first = weights[0]
+        assert all(w.kind == first.kind for w in weights)
         n = sum(w.n for w in weights)
-        if any(w.k != first.k for w in weights):
-            return None
-        if all(w.dense is not None for w in weights):
-            dtypes = {w.dense.dtype for w in weights}  # type: ignore[union-attr]
-            if len(dtypes) == 1:
-                return _Weight(n, first.k, None, torch.cat([w.dense for w in weights]))  # type: ignore[misc]
-            return None
-        pools = [w.pool for w in weights]
-        if all(p is not None for p in pools) and len({p.qtype for p in pools}) == 1:  # type: ignore[union-attr]
-            raw = torch.cat([p.tensor[: p.matrix_nbytes] for p in pools])  # type: ignore[union-attr]
-            return _Weight.quantized(pools[0].qtype, n, first.k, raw, raw.device)  # type: ignore[union-attr]
-        return None
+        if first.pool is None:
+            return _Weight(n, first.k, None, torch.cat([w.dense for w in weights]))  # type: ignore[misc]
+        raw = torch.cat([w.pool.tensor[: w.pool.matrix_nbytes] for w in weights])  # type: ignore[union-attr]
+        return _Weight.quantized(first.pool.qtype, n, first.k, raw, raw.device)
 
 
 class GpuLinear:
@@ -159,16 +157,15 @@ class GpuLinearGroup:
 
     @staticmethod
     def fuse(members: Sequence[object]) -> None:
-        """Fuses ``members`` when they are :class:`GpuLinear` whose weights stack (same input
-        size and type)."""
-        if len(members) < 2 or not all(
-            isinstance(m, GpuLinear) and m.w is not None for m in members
-        ):
-            return
-        layers: list[GpuLinear] = list(members)  # type: ignore[arg-type]
-        w = _Weight.concat([m.w for m in layers])  # type: ignore[misc]
-        if w is not None:
-            GpuLinearGroup(layers, w)
+        """Fuses those of ``members`` that are :class:`GpuLinear` whose weights stack (same
+        input size and type): one group per type shared by at least two of them."""
+        layers = [m for m in members if isinstance(m, GpuLinear) and m.w is not None]
+        by_type: dict[object, list[GpuLinear]] = {}
+        for m in layers:
+            by_type.setdefault(m.w.kind, []).append(m)  # type: ignore[union-attr]
+        for same in by_type.values():
+            if len(same) > 1:
+                GpuLinearGroup(same, _Weight.concat([m.w for m in same]))  # type: ignore[misc]
 
     @property
     def nbytes(self) -> int:

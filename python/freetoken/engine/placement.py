@@ -170,9 +170,13 @@ def _left_on_host(val: Any, where: str, seen: set[int]) -> list[str]:
 
 
 def _fuse(obj: object) -> None:
-    """Concatenates the bf16 weights of layers that share an input (Q/K/V, gate/up)."""
-    for names in (("wq", "wk", "wv"), ("gate", "up")):
-        members = [getattr(obj, n, None) for n in names]
+    """Stacks the weights of layers that share an input (Q/K/V, gate/up, a Gated DeltaNet
+    layer's input projections) into one product each."""
+    groups = [
+        [getattr(obj, n, None) for n in names] for names in (("wq", "wk", "wv"), ("gate", "up"))
+    ]
+    groups.append(list(getattr(obj, "in_proj", ())))
+    for members in groups:
         if all(m is not None for m in members):
             GpuLinearGroup.fuse(members)
 

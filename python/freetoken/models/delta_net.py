@@ -241,15 +241,21 @@ class DeltaNetLayer:
         p = f"blk.{i}."
         s = shape
         self.shape = s
-        self.qkv = Linear(gguf, p + "attn_qkv", (s.channels, hidden))
-        self.gate = Linear(gguf, p + "attn_gate", (s.value_dim, hidden))
         if fused_ba:
-            self.ba: tuple[Linear, ...] = (Linear(gguf, p + "ssm_ba", (2 * s.v_heads, hidden)),)
+            ba = [Linear(gguf, p + "ssm_ba", (2 * s.v_heads, hidden))]
         else:
-            self.ba = (
+            ba = [
                 Linear(gguf, p + "ssm_beta", (s.v_heads, hidden)),
                 Linear(gguf, p + "ssm_alpha", (s.v_heads, hidden)),
-            )
+            ]
+        #: The products of the layer's input, applied as one group (one quantization of the
+        #: input; on the GPU one product where their types stack): the mixed q/k/v
+        #: channels, the output gate z, then ``ssm_ba`` or ``ssm_beta`` and ``ssm_alpha``.
+        self.in_proj: tuple[Linear, ...] = (
+            Linear(gguf, p + "attn_qkv", (s.channels, hidden)),
+            Linear(gguf, p + "attn_gate", (s.value_dim, hidden)),
+            *ba,
+        )
         gguf.expect(p + "ssm_conv1d.weight", (s.channels, s.conv_kernel))
         self.conv = torch.from_numpy(gguf.array(p + "ssm_conv1d.weight").copy()).reshape(
             s.channels, s.conv_kernel
@@ -264,17 +270,17 @@ class DeltaNetLayer:
         s = self.shape
         return (s.conv_kernel - 1, s.channels), (s.v_heads, s.head_dim, s.head_dim)
 
-    def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _beta_alpha(self, ba: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The beta and alpha inputs ``[T, G, R]`` (views, ``G * R`` value heads; head ``h``
-        at ``[:, h // R, h % R]``): one group of all heads from ``ssm_beta``/``ssm_alpha``,
-        or per key head its value heads' rows of the fused ``ssm_ba``."""
+        at ``[:, h // R, h % R]``) from the products of ``ssm_beta``/``ssm_alpha`` (one group
+        of all heads), or per key head its value heads' rows of the fused ``ssm_ba``."""
         s = self.shape
-        if len(self.ba) == 2:
-            b, a = linear_group(self.ba, x)
+        if len(ba) == 2:
+            b, a = ba
             return b.view(-1, 1, s.v_heads), a.view(-1, 1, s.v_heads)
         r = s.v_heads // s.k_heads
-        ba = self.ba[0](x).view(x.shape[0], s.k_heads, 2 * r)
-        return ba[..., :r], ba[..., r:]
+        fused = ba[0].view(ba[0].shape[0], s.k_heads, 2 * r)
+        return fused[..., :r], fused[..., r:]
 
     def __call__(
         self,
@@ -290,8 +296,8 @@ class DeltaNetLayer:
         checkpoints). A decode step on the GPU (one token per sequence, no checkpoints) runs
         the fused kernels (:func:`~freetoken.runtime.gpu.gdn_decode`), which update the given
         states in place and hand them back."""
-        mixed, z = linear_group((self.qkv, self.gate), x)
-        b, a = self._beta_alpha(x)
+        mixed, z, *ba = linear_group(self.in_proj, x)
+        b, a = self._beta_alpha(ba)
         states = [(conv, ssm) for _, conv, ssm in spans]
         weights = (self.conv, self.dt, self.a, self.norm)
         if (

@@ -64,11 +64,18 @@ def linear_group(layers: Sequence[Linear], x: torch.Tensor) -> list[torch.Tensor
     if x.dtype != torch.float32:
         raise InvalidInputError(f"activations must be float32, got {x.dtype}")
     if x.device.type != "cpu":
-        # GPU layers (engine/gpu_layers.py): one product for a fused group, else one each.
-        group = getattr(layers[0], "group", None)
-        if group is not None and group.members == tuple(layers):
-            return group(x)
-        return [layer(x) for layer in layers]
+        # GPU layers (engine/gpu_layers.py): one product per fused group, else one each.
+        products: dict[int, list[torch.Tensor]] = {}
+        out = []
+        for layer in layers:
+            group = getattr(layer, "group", None)
+            if group is None:
+                out.append(layer(x))
+                continue
+            if id(group) not in products:
+                products[id(group)] = group(x)
+            out.append(products[id(group)][group.members.index(layer)])
+        return out
     x = x.contiguous()
     lead = x.shape[:-1]
     ys = [torch.empty((*lead, layer.n), dtype=torch.float32) for layer in layers]
