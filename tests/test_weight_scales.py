@@ -7,7 +7,8 @@ experts: times the routed expert's own value):
   with NVFP4 matrices and a scale on each (other than 1, per expert for the experts): a
   dense-attention MoE (qwen3moe: q/k/v/output, experts) and a Gated DeltaNet hybrid
   (qwen35moe: qkv, gate, alpha/beta, ssm_out, the shared expert, the LM head); argmax equal
-  except near-ties, mean KL at most 0.005, and the scales matter (the same file without them
+  except near-ties, mean KL at most 0.005 over the positions not routed at a near-tie
+  (``teacher_forced.routing_near_ties``), and the scales matter (the same file without them
   moves the distribution far beyond that);
 - a ``.scale`` that does not fit its tensor (two values on a matrix, too few on experts) and
   a per-expert gate scale other than 1 (inside the activation) are refused, naming the
@@ -27,7 +28,7 @@ from freetoken.models import load_model
 from freetoken.runtime.scales import SCALED_MATRICES
 from gguf import GGMLQuantizationType, GGUFReader
 from synthetic import build_models
-from teacher_forced import compare
+from teacher_forced import compare, routing_near_ties
 from test_moe_families_b import rewrite
 
 N_GEN = 16
@@ -104,7 +105,9 @@ def test_scaled_nvfp4_matches_llamacpp(
         seq = prompt + ref.greedy(prompt, N_GEN)
         want = ref.logits(seq)[: len(seq) - 1]
     model = load_model(GGUFFile(path))
-    c = compare(want, _ours(model, seq))
+    skip = routing_near_ties(model, seq, 0)
+    assert len(skip) <= len(want) // 2, f"test data: {len(skip)} routing near-ties"
+    c = compare(want, _ours(model, seq), skip)
     assert not c.mismatches, f"{name}: {c.describe()}"
     assert c.mean_kl <= MAX_KL, f"{name}: {c.describe()}"
     # Without the scales the same weights give another distribution: the scales were read.
