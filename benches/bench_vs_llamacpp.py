@@ -1,7 +1,8 @@
 """Side-by-side speed and peak RSS: `freetoken bench` against llama.cpp's `llama-bench`, built
 from the same pinned source with the same CPU options (tools/llama_ref.py), in one run.
 
-    python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-t 2] [-r 3] [--rounds 1]
+    python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-d 0] [-t 2] [-r 3]
+        [--rounds 1]
 
 Prints a markdown table (and, with --json FILE, the raw figures) with the ratio ours/llama.cpp;
 with --rounds N the two alternate N times (on a shared host each sees the same load on average)
@@ -42,9 +43,9 @@ def _run_with_rss(cmd: list[str]) -> tuple[str, float]:
     return "".join(chunks), usage.ru_maxrss / 1024
 
 
-def bench_llamacpp(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]:
+def bench_llamacpp(model: str, p: int, n: int, d: int, t: int, r: int) -> dict[str, Any]:
     exe = str(llama_ref.tool_path("llama-bench"))
-    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-t", str(t), "-r", str(r)]
+    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-d", str(d), "-t", str(t), "-r", str(r)]
     out, rss = _run_with_rss([*cmd, "-o", "json"])
     rows = json.loads(out)
     pp = next(x["avg_ts"] for x in rows if x["n_prompt"] > 0)
@@ -52,9 +53,9 @@ def bench_llamacpp(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]
     return {"pp_tokens_per_s": pp, "decode_tokens_per_s": tg, "peak_rss_mib": rss}
 
 
-def bench_ours(model: str, p: int, n: int, t: int, r: int) -> dict[str, Any]:
+def bench_ours(model: str, p: int, n: int, d: int, t: int, r: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", model]
-    cmd += ["-p", str(p), "-n", str(n), "-t", str(t), "-r", str(r), "-o", "json"]
+    cmd += ["-p", str(p), "-n", str(n), "-d", str(d), "-t", str(t), "-r", str(r), "-o", "json"]
     out, rss = _run_with_rss(cmd)
     res = json.loads(out.strip().splitlines()[-1])
     res["peak_rss_mib"] = rss
@@ -79,6 +80,7 @@ def main() -> int:
     ap.add_argument("-m", "--model", help="GGUF (default: the embedded default model)")
     ap.add_argument("-p", type=int, default=128)
     ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-d", type=int, default=0, help="context tokens before each test")
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument(
@@ -98,10 +100,11 @@ def main() -> int:
     loads: list[float] = []
     for _ in range(args.rounds):
         loads.append(os.getloadavg()[0])
-        refs.append(bench_llamacpp(args.model, args.p, args.n, args.t, args.r))
-        ourss.append(bench_ours(args.model, args.p, args.n, args.t, args.r))
+        refs.append(bench_llamacpp(args.model, args.p, args.n, args.d, args.t, args.r))
+        ourss.append(bench_ours(args.model, args.p, args.n, args.d, args.t, args.r))
     name = os.path.basename(args.model)
-    print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}, {args.r} reps\n")
+    at = f" at depth {args.d}" if args.d else ""
+    print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}{at}, {args.r} reps\n")
     print("| | pp t/s | decode t/s | peak RSS MiB |")
     print("| --- | ---: | ---: | ---: |")
     for i, (ref, ours) in enumerate(zip(refs, ourss, strict=True)):

@@ -1,6 +1,7 @@
 """``freetoken bench``: prompt-processing and decode speed with peak memory, in the manner
-of llama-bench (pp: one forward pass over a prompt of random tokens from an empty context;
-tg: that many single-token steps)."""
+of llama-bench (pp: one forward pass over a prompt of random tokens; tg: that many
+single-token steps; each from an empty context, or with ``-d`` after that many context tokens,
+which are not timed)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument(
+        "-d", "--n-depth", type=int, default=0, help="context tokens before each test (untimed)"
+    )
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument("-o", "--output", choices=["md", "json"], default="md")
     spec_options.add_arguments(p)
@@ -43,28 +47,35 @@ def run(args: argparse.Namespace) -> int:
     """Measures and prints the table (md) or one JSON object (json)."""
     from freetoken import _core
 
-    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0:
-        raise InvalidInputError("-r must be at least 1 and -p, -n non-negative")
+    if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0 or args.n_depth < 0:
+        raise InvalidInputError("-r must be at least 1 and -p, -n, -d non-negative")
     from freetoken.llm import load_llm
 
     spec = spec_options.from_args(args)
     # Speculation drafts past the last token: room for one more verify step.
-    n_ctx = max(args.n_prompt + args.n_gen + 1, 16) + (spec.n_max + 1 if spec.enabled else 0)
+    depth = args.n_depth
+    n_ctx = max(depth + max(args.n_prompt, args.n_gen + 1), 16)
+    n_ctx += spec.n_max + 1 if spec.enabled else 0
     llm = load_llm(args, n_ctx=n_ctx, progress=args.output == "md")
     rng = random.Random(1234)
     vocab = llm.vocab_size
     greedy = SamplingParams(temperature=0.0)
     # One cache per test, reused across repetitions (as llama-bench reuses its context), and
     # one warm-up pass first: it captures the GPU's decode graphs outside the timing.
-    pp_cache = llm.model.new_cache(max(args.n_prompt, 1))
-    tg_cache = llm.model.new_cache(args.n_gen + 1)
+    pp_cache = llm.model.new_cache(depth + max(args.n_prompt, 1))
+    tg_cache = llm.model.new_cache(depth + args.n_gen + 1)
+    context = [rng.randrange(vocab) for _ in range(depth)]
+
+    def fill(tokens: list[int], cache: Any) -> None:
+        for i in range(0, len(tokens), 512):
+            llm.model.forward(tokens[i : i + 512], cache)
 
     def prompt_pass() -> float:
         tokens = [rng.randrange(vocab) for _ in range(args.n_prompt)]
         pp_cache.truncate(0)
+        fill(context, pp_cache)
         t0 = time.perf_counter()
-        for i in range(0, len(tokens), 512):
-            llm.model.forward(tokens[i : i + 512], pp_cache)
+        fill(tokens, pp_cache)
         return args.n_prompt / (time.perf_counter() - t0)
 
     decode_steps = 0
@@ -76,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         # Greedy generation from one random token with the drafter; the counters add up.
         nonlocal decode_steps, decode_seconds
         t0 = time.perf_counter()
-        produced = sum(1 for _ in llm.stream_tokens([rng.randrange(vocab)], n, greedy))
+        prompt = [*context, rng.randrange(vocab)]
+        produced = sum(1 for _ in llm.stream_tokens(prompt, n, greedy))
         dt = time.perf_counter() - t0 - llm.last_stats.prompt_seconds
         stats = llm.last_stats.spec
         assert stats is not None
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             return spec_pass(n)
         nonlocal decode_steps, decode_seconds
         tg_cache.truncate(0)
+        fill(context, tg_cache)
         tok = rng.randrange(vocab)
         t0 = time.perf_counter()
         for _ in range(n):
@@ -118,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": _core.num_threads(),
         "n_prompt": args.n_prompt,
         "n_gen": args.n_gen,
+        "n_depth": depth,
         "repetitions": args.repetitions,
         "pp_tokens_per_s": statistics.mean(pp) if pp else None,
         "pp_stddev": statistics.pstdev(pp) if pp else None,
@@ -162,13 +176,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("| model | threads | test | t/s | peak RSS MiB |")
     print("| --- | ---: | --- | ---: | ---: |")
+    at = f" @ d{depth}" if depth else ""
     for name, n, mean, sd in (
         ("pp", args.n_prompt, result["pp_tokens_per_s"], result["pp_stddev"]),
         ("tg", args.n_gen, result["decode_tokens_per_s"], result["decode_stddev"]),
     ):
         if mean is not None:
             print(
-                f"| {result['model']} | {result['threads']} | {name}{n} | "
+                f"| {result['model']} | {result['threads']} | {name}{n}{at} | "
                 f"{mean:.2f} ± {sd:.2f} | {result['peak_rss_mib']} |"
             )
     if spec.enabled:
