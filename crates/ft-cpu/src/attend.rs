@@ -1,15 +1,17 @@
 //! One token's attention on the CPU in one call: the heads' RMS norms, RoPE, the store of its
-//! key and value into the cache and its query's attention over the cached positions. A decode
-//! step on the CPU ran these as some twenty torch operations a layer, each paying its own
+//! key and value into the cache and its query's attention over the cached positions, a long
+//! context split over the thread pool. Torch operations instead would each pay their own
 //! dispatch (microseconds) on vectors of a few hundred values.
 //!
-//! The arithmetic is the torch path's, operation for operation where it decides the rounding
-//! (RoPE: `x cos` and `x' sin` rounded, then added); the norm sums its squares in f64 as
-//! ggml's `rms_norm` does; the dot products and the softmax sum in eight f32 lanes.
+//! RoPE rounds as the torch path does (`x cos` and `x' sin` rounded, then added); the norm
+//! sums its squares in f64 as ggml's `rms_norm` does; the dot products sum in eight f32 lanes
+//! (under AVX2 four chains of them, with fused multiply-adds).
 
 use crate::isa::{cpu_isa, CpuIsa};
+use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, Result};
 use std::ops::Range;
+use std::sync::Mutex;
 
 /// RoPE's rotation of one position: `cos` and `sin` of each of the `n_rot / 2` angles.
 #[derive(Clone, Copy)]
@@ -92,7 +94,9 @@ impl OneTokenAttention<'_> {
     /// Norms and rotates the token's query `q [heads, head_dim]` and key `k [kv_heads,
     /// head_dim]`, stores the key and `v [kv_heads, head_dim_v]` at each of `cache.write`,
     /// and writes the query's attention over rows `cache.read` (which must include a written
-    /// row: the token sees itself) to `out [heads, head_dim_v]`.
+    /// row: the token sees itself) to `out [heads, head_dim_v]`. A long read range is split
+    /// over `pool`'s threads, each a run of positions for every head (the parts' softmax
+    /// sums and weighted values then merged under their common maximum).
     pub fn run(
         &self,
         q: &[f32],
@@ -100,6 +104,7 @@ impl OneTokenAttention<'_> {
         v: &[f32],
         cache: LayerCache<'_>,
         out: &mut [f32],
+        pool: &ThreadPool,
     ) -> Result<()> {
         let (write, read) = (cache.write, cache.read.clone());
         self.check(q, k, v, out)?;
@@ -139,15 +144,62 @@ impl OneTokenAttention<'_> {
         let keys = &cache.keys[read.start * kw..read.end * kw];
         let values = &cache.values[read.start * vw..read.end * vw];
         let avx2 = cpu_isa()? >= CpuIsa::Avx2;
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the level in use runs on this host, so it has AVX2 and FMA.
-            unsafe { self.attend_avx2(&qh, keys, values, out) };
-            return Ok(());
+        let qs: Vec<f32> = qh.iter().map(|x| x * self.scale).collect();
+        let n = read.len();
+        let n_tasks = (n / MIN_POSITIONS_PER_TASK).clamp(1, pool.n_threads());
+        let per_task = n.div_ceil(n_tasks);
+        let parts: Vec<Mutex<Option<Part>>> = (0..n_tasks).map(|_| Mutex::new(None)).collect();
+        let task = |t: usize| {
+            let rows = t * per_task..((t + 1) * per_task).min(n);
+            let (keys, values) = (
+                &keys[rows.start * kw..rows.end * kw],
+                &values[rows.start * vw..rows.end * vw],
+            );
+            #[cfg(target_arch = "x86_64")]
+            let part = if avx2 {
+                // SAFETY: the level in use runs on this host, so it has AVX2 and FMA.
+                unsafe { self.part_avx2(&qs, keys, values) }
+            } else {
+                self.part(&qs, keys, values, dot, axpy)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let part = self.part(&qs, keys, values, dot, axpy);
+            *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
+        };
+        if n_tasks == 1 {
+            task(0);
+        } else {
+            pool.run(n_tasks, &task);
         }
-        let _ = avx2;
-        self.attend(&qh, keys, values, out);
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .filter_map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        self.merge(&parts, out);
         Ok(())
+    }
+
+    /// `out` from the parts: per head, each part's sum and values scaled to the largest
+    /// maximum (and a sink's logit, which joins the denominator only).
+    fn merge(&self, parts: &[Part], out: &mut [f32]) {
+        let dv = self.head_dim_v;
+        for (h, o) in out.chunks_exact_mut(dv).enumerate() {
+            let sink = self.sinks.map(|s| s[h]);
+            let max = parts
+                .iter()
+                .map(|p| p.max[h])
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = sink.map_or(0.0, |s| (s - max).exp());
+            o.fill(0.0);
+            for p in parts {
+                let w = (p.max[h] - max).exp();
+                sum += w * p.sum[h];
+                let acc = &p.acc[h * dv..(h + 1) * dv];
+                o.iter_mut().zip(acc).for_each(|(o, a)| *o += w * a);
+            }
+            o.iter_mut().for_each(|o| *o /= sum);
+        }
     }
 
     /// One head's norm and rotation, in place.
@@ -162,47 +214,69 @@ impl OneTokenAttention<'_> {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn attend_avx2(&self, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
-        self.attend(q, keys, values, out);
+    fn part_avx2(&self, qs: &[f32], keys: &[f32], values: &[f32]) -> Part {
+        // The closures inherit this function's features.
+        self.part(
+            qs,
+            keys,
+            values,
+            |x, y| simd::dot(x, y),
+            |o, w, v| simd::axpy(o, w, v),
+        )
     }
 
-    /// Each query head's softmax-weighted sum of its key head's values.
+    /// The scaled queries `qs` over a run of positions' `keys` and `values`. The rows are
+    /// read once, in order: each position's keys (then values) serve every query head of
+    /// their key head at once, rather than the rows once per head, which a long context
+    /// makes a read from memory each time. `dot` and `axpy` are the instruction set's.
     #[inline(always)]
-    fn attend(&self, q: &[f32], keys: &[f32], values: &[f32], out: &mut [f32]) {
+    fn part(
+        &self,
+        qs: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        dot: impl Fn(&[f32], &[f32]) -> f32,
+        axpy: impl Fn(&mut [f32], f32, &[f32]),
+    ) -> Part {
         let (d, dv, hkv) = (self.head_dim, self.head_dim_v, self.kv_heads);
         let group = self.heads / hkv;
         let n = keys.len() / (hkv * d);
-        let mut p = vec![0f32; n];
-        for h in 0..self.heads {
-            let g = h / group;
-            let qs: Vec<f32> = q[h * d..(h + 1) * d]
-                .iter()
-                .map(|x| x * self.scale)
-                .collect();
-            for (j, p) in p.iter_mut().enumerate() {
-                let key = &keys[(j * hkv + g) * d..(j * hkv + g + 1) * d];
-                *p = dot(&qs, key);
-            }
-            let sink = self.sinks.map(|s| s[h]);
-            let max = p
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = sink.map_or(0.0, |s| (s - max).exp());
-            for p in p.iter_mut() {
-                *p = (*p - max).exp();
-                sum += *p;
-            }
-            let o = &mut out[h * dv..(h + 1) * dv];
-            o.fill(0.0);
-            for (j, &p) in p.iter().enumerate() {
-                let val = &values[(j * hkv + g) * dv..(j * hkv + g + 1) * dv];
-                let w = p / sum;
-                o.iter_mut().zip(val).for_each(|(o, v)| *o += w * v);
+        let mut p = vec![0f32; self.heads * n];
+        for (j, row) in keys.chunks_exact(hkv * d).enumerate() {
+            for (h, qh) in qs.chunks_exact(d).enumerate() {
+                let g = h / group;
+                p[h * n + j] = dot(qh, &row[g * d..(g + 1) * d]);
             }
         }
+        let (mut max, mut sum) = (vec![0f32; self.heads], vec![0f32; self.heads]);
+        for (h, row) in p.chunks_exact_mut(n).enumerate() {
+            max[h] = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for p in row.iter_mut() {
+                *p = (*p - max[h]).exp();
+                sum[h] += *p;
+            }
+        }
+        let mut acc = vec![0f32; self.heads * dv];
+        for (j, row) in values.chunks_exact(hkv * dv).enumerate() {
+            for (h, oh) in acc.chunks_exact_mut(dv).enumerate() {
+                let g = h / group;
+                axpy(oh, p[h * n + j], &row[g * dv..(g + 1) * dv]);
+            }
+        }
+        Part { max, sum, acc }
     }
+}
+
+/// Positions below which a task's rows are too short to be worth a thread: the whole read
+/// range is then one task.
+const MIN_POSITIONS_PER_TASK: usize = 256;
+
+/// A run of positions' share of every head: its largest score, the sum of the exponentials
+/// under it, and their weighted sum of values (`[heads, head_dim_v]`).
+struct Part {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
 }
 
 /// `x . y` in eight lanes, summed pairwise at the end.
@@ -223,6 +297,70 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
     }
     let [a, b, c, d, e, f, g, h] = acc;
     ((a + e) + (c + g)) + ((b + f) + (d + h)) + tail
+}
+
+/// `o += w y`.
+#[inline(always)]
+fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
+    o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+}
+
+/// The products with AVX2 and FMA: four chains of eight lanes for a dot product (one chain
+/// waits on its own additions), fused multiply-adds.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// `x . y`; the lengths are equal.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot(x: &[f32], y: &[f32]) -> f32 {
+        let n = x.len().min(y.len());
+        let (xp, yp) = (x.as_ptr(), y.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 8 values at i + 8 * c <= n - 8.
+        unsafe {
+            while i + 32 <= n {
+                for (c, a) in acc.iter_mut().enumerate() {
+                    let (xv, yv) = (xp.add(i + 8 * c), yp.add(i + 8 * c));
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(xv), _mm256_loadu_ps(yv), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let (xv, yv) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i)));
+                acc[0] = _mm256_fmadd_ps(xv, yv, acc[0]);
+                i += 8;
+            }
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        let tail: f32 = x[i..n].iter().zip(&y[i..n]).map(|(a, b)| a * b).sum();
+        _mm_cvtss_f32(h) + tail
+    }
+
+    /// `o += w y`; the lengths are equal.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
+        let n = o.len().min(y.len());
+        let (op, yp) = (o.as_mut_ptr(), y.as_ptr());
+        let wv = _mm256_set1_ps(w);
+        let mut i = 0;
+        // SAFETY: every load and store touches 8 values at i <= n - 8.
+        unsafe {
+            while i + 8 <= n {
+                let v = _mm256_fmadd_ps(wv, _mm256_loadu_ps(yp.add(i)), _mm256_loadu_ps(op.add(i)));
+                _mm256_storeu_ps(op.add(i), v);
+                i += 8;
+            }
+        }
+        o[i..n]
+            .iter_mut()
+            .zip(&y[i..n])
+            .for_each(|(o, y)| *o += w * y);
+    }
 }
 
 /// RMS norm of one row in place, in ggml's order: the squares summed in f64, their mean as
@@ -340,7 +478,14 @@ mod tests {
 
     #[test]
     fn matches_the_float64_definition() {
-        let (h, hkv, d, dv, n, pos) = (4, 2, 64, 32, 37, 36);
+        // A short range (one task) and one the pool splits into parts.
+        for (n, threads) in [(37, 1), (700, 3)] {
+            matches_at(n, &ThreadPool::new(threads));
+        }
+    }
+
+    fn matches_at(n: usize, pool: &ThreadPool) {
+        let (h, hkv, d, dv, pos) = (4, 2, 64, 32, n - 1);
         let (cos, sin): (Vec<f32>, Vec<f32>) = (0..24)
             .map(|i| {
                 let t = 5.0f32 / 10000f32.powf(i as f32 / 24.0);
@@ -377,7 +522,7 @@ mod tests {
                 write: &[pos],
                 read: 0..n,
             };
-            a.run(&q, &k, &v, cache, &mut out).unwrap();
+            a.run(&q, &k, &v, cache, &mut out, pool).unwrap();
             for (o, w) in out.iter().zip(&want) {
                 assert!((f64::from(*o) - w).abs() < 1e-5, "{o} against {w}");
             }
@@ -409,7 +554,7 @@ mod tests {
                 write,
                 read,
             };
-            a.run(q, &k, &v, cache, &mut out)
+            a.run(q, &k, &v, cache, &mut out, &ThreadPool::new(1))
         };
         assert!(run(&[1], 0..2, &q).is_ok());
         assert!(run(&[4], 0..4, &q).is_err(), "a row past the cache");

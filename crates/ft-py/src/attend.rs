@@ -79,6 +79,7 @@ pub fn attend_one(
     let (rq, rk, rv) = (q.raw::<f32>(), k.raw::<f32>(), v.raw::<f32>());
     let (rkc, rvc, rout) = (kc.raw::<f32>(), vc.raw::<f32>(), out.raw::<f32>());
     let (rqn, rkn, rcos, rsin, rsinks) = (raw(&qn), raw(&kn), raw(&cos), raw(&sin), raw(&sinks));
+    let pool = crate::threads::pool();
     py.detach(|| {
         // SAFETY: every array outlives the call; the caches and `out` are writable and
         // disjoint from each other and the inputs (checked above).
@@ -106,7 +107,14 @@ pub fn attend_one(
                 write: &write,
                 read: read_lo..read_hi,
             };
-            a.run(rq.slice(), rk.slice(), rv.slice(), cache, rout.slice_mut())
+            a.run(
+                rq.slice(),
+                rk.slice(),
+                rv.slice(),
+                cache,
+                rout.slice_mut(),
+                &pool,
+            )
         }
     })
     .py_err()
