@@ -35,6 +35,7 @@ from freetoken.runtime.sampler import Sampler, SamplingParams
 from freetoken.runtime.speculative import accept_draft, ngram_draft, synth_rates
 from freetoken.testmodel import make_test_model
 from freetoken.testmodel.vocab import llama_tree
+from teacher_forced import NEAR_TIE, routing_near_ties
 
 GREEDY = SamplingParams(temperature=0.0)
 N_GEN = 128
@@ -91,6 +92,24 @@ def _greedy(llm: LLM, prompt: list[int], n: int = N_GEN) -> list[int]:
     return list(llm.stream_tokens(prompt, n, GREEDY))
 
 
+def _assert_same_tokens(plain: LLM, prompt: list[int], want: list[int], got: list[int]) -> None:
+    """``got == want``, or equal up to a token that the one-token steps chose at a near-tie
+    (the verify steps compute the same positions several tokens a step, another rounding):
+    the plain run's top two logits there closer than ``NEAR_TIE``, or a MoE layer routing
+    that position at a near-tie."""
+    if got == want:
+        return
+    assert len(got) == len(want)
+    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    seq = prompt + want[: i + 1]
+    logits = plain.model.forward(seq[:-1], plain.model.new_cache(len(seq)))
+    top2 = torch.topk(logits.float(), 2).values
+    if float(top2[0] - top2[1]) < NEAR_TIE:
+        return
+    routed = routing_near_ties(plain.model, seq, len(seq) - 2)
+    assert routed, f"token {i} differs ({got[i]} != {want[i]}) away from any near-tie"
+
+
 # ---- greedy equality ---------------------------------------------------------------------
 
 
@@ -102,7 +121,7 @@ def test_mtp_greedy_equals_plain(name: str, files: dict[str, Path]) -> None:
     for prompt in PROMPTS.values():
         want = _greedy(plain, prompt)
         assert len(want) == N_GEN
-        assert _greedy(spec, prompt) == want
+        _assert_same_tokens(plain, prompt, want, _greedy(spec, prompt))
         stats = spec.last_stats.spec
         assert stats is not None and stats.drafted > 0
 
