@@ -156,13 +156,13 @@ impl OneTokenAttention<'_> {
                 &values[rows.start * vw..rows.end * vw],
             );
             #[cfg(target_arch = "x86_64")]
-            let part = if avx2 {
+            if avx2 {
                 // SAFETY: the level in use runs on this host, so it has AVX2 and FMA.
-                unsafe { self.part_avx2(&qs, keys, values) }
-            } else {
-                self.part(&qs, keys, values, dot, axpy)
-            };
-            #[cfg(not(target_arch = "x86_64"))]
+                let part = unsafe { self.part_avx2(&qs, keys, values) };
+                *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
+                return;
+            }
+            let _ = avx2;
             let part = self.part(&qs, keys, values, dot, axpy);
             *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
         };
@@ -171,9 +171,14 @@ impl OneTokenAttention<'_> {
         } else {
             pool.run(n_tasks, &task);
         }
+        // Every task ran: the pool re-raises a task's panic.
         let parts: Vec<Part> = parts
             .into_iter()
-            .filter_map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
+            .map(|p| {
+                p.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .expect("each task stores its part")
+            })
             .collect();
         self.merge(&parts, out);
         Ok(())
