@@ -1,9 +1,9 @@
 """The fused Gated DeltaNet decode kernels (``cuda/src/gdn_decode.cuh``) compiled by g++
-through a CPU emulation of the CUDA constructs they use (``tests/cuda_cpu/gdn/``: a thread
-per CUDA thread, barriers, warp shuffles) against the torch path in float64: several steps
-with the states carried, several sequences with different states, value heads tiled or
-grouped over fewer key heads, beta/alpha as two tensors or the fused per-key-head layout,
-heads of 128 and of 48 (a partial column tile) and a conv of 4 and of 3 taps."""
+through a CPU emulation of the CUDA constructs they use (``tests/cuda_cpu/cuda_emulation.h``:
+a thread per CUDA thread, barriers, warp shuffles) against the torch path in float64:
+several steps with the states carried, several sequences with different states, value heads
+tiled or grouped over fewer key heads, beta/alpha as two tensors or the fused per-key-head
+layout, heads of 128 and of 48 (a partial column tile) and a conv of 4 and of 3 taps."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = tmp_path_factory.mktemp("gdn-emulated") / "gdn_emulate.so"
     cmd = [gxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]
     cmd += ["-shared", "-fPIC", "-pthread", f"-I{ROOT / 'cuda/include'}", f"-I{ROOT / 'cuda/src'}"]
-    cmd += [str(ROOT / "tests/cuda_cpu/gdn/gdn_emulate.cpp"), "-o", str(lib)]
+    cmd += [str(ROOT / "tests/cuda_cpu/gdn_emulate.cpp"), "-o", str(lib)]
     built = subprocess.run(cmd, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     return ctypes.CDLL(str(lib))

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define FT_CUDA_ABI_VERSION 7
+#define FT_CUDA_ABI_VERSION 8
 
 enum ft_cuda_status {
     FT_CUDA_OK = 0,
@@ -178,6 +178,73 @@ typedef struct ft_cuda_handoff_routes_args {
     void *stream;
 } ft_cuda_handoff_routes_args;
 
+/* The fetch share of a hybrid layer's missed experts, chosen and uploaded on the device (no
+ * read-back, so a step that fetches stays one CUDA graph; docs/hybrid.md, "Fetching part of
+ * the misses"). ft_cuda_fetch_plan (one block, before the layer's hand-off request): counts
+ * the routes of each expert that `resident` does not place (a miss), orders the misses by
+ * routes (most first, then by id), and takes the first n_fetch: `share` of them rounded
+ * (share >= 0), else the count of least modelled time, the fewest among equals
+ * (freetoken.engine.fetch's rule, in float64 in its order of operations: uploading n_f costs
+ * n_f * expert_bytes * (1 / b_pcie + 1 / b_gpu) / 1e9 s, the CPU's reads left cost
+ * reads * expert_bytes / b_cpu / 1e9 s, each side at its figure with the other busy when
+ * both run, plus overhead_s when anything is fetched; a read is an expert, or a route with
+ * price_routes), at most max_fetch. It writes the host's resident table row: FT_CUDA_FETCHED
+ * for those experts (the host thread skips them as residents), `resident` for the others;
+ * lists them in
+ * `fetched`, and writes each route's staging slot (its expert's place in the list, or
+ * dummy_base + j for a route j whose expert is not fetched) and weight (0 for those).
+ * ft_cuda_fetch_gather (after the plan, on any stream) copies the listed experts of each
+ * matrix kind from registered host memory into staging slots 0..n_fetch-1 and zeroes the
+ * top_k slots from dummy_base. */
+#define FT_CUDA_FETCH_MAX_EXPERTS 1024
+#define FT_CUDA_FETCHED INT32_MAX
+/* The plan's int64 words (stats): what it chose, and the gather's span on the GPU's timer. */
+#define FT_CUDA_FETCH_STATS 8
+#define FT_CUDA_FETCH_N 0            /* experts fetched */
+#define FT_CUDA_FETCH_MISSED 1       /* experts missed */
+#define FT_CUDA_FETCH_ROUTES 2       /* routes of the fetched experts */
+#define FT_CUDA_FETCH_MISSED_ROUTES 3 /* routes of the missed experts */
+#define FT_CUDA_FETCH_START_NS 4     /* the gather's first block started (INT64_MAX: none) */
+#define FT_CUDA_FETCH_END_NS 5       /* its last block ended */
+#define FT_CUDA_FETCH_UPLOAD_NS 6    /* the model's upload and GPU time of the choice */
+#define FT_CUDA_FETCH_CPU_NS 7       /* the model's CPU time of the choice */
+
+typedef struct ft_cuda_fetch_plan_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t price_routes;            /* 0 or 1 */
+    int64_t n_tokens, top_k, n_experts; /* n_experts 1..FT_CUDA_FETCH_MAX_EXPERTS */
+    int64_t max_fetch;               /* 0..min(n_experts, dummy_base) */
+    int64_t dummy_base;
+    double expert_bytes;             /* > 0 */
+    double overhead_s;               /* >= 0 */
+    double share;                    /* 0..1, or < 0: the modelled choice */
+    double b_cpu, b_pcie, b_gpu, b_cpu_with_pcie, b_pcie_with_cpu; /* GB/s, > 0 */
+    const int32_t *ids;              /* device [n_tokens, top_k] */
+    const float *weights;            /* device [n_tokens, top_k] */
+    const int32_t *resident;         /* device [n_experts]: slot or -1 */
+    int32_t *resident_host;          /* registered host [n_experts], written */
+    int32_t *fetched;                /* device out [n_experts] (the first n_fetch written) */
+    int32_t *slots;                  /* device out [n_tokens, top_k] */
+    float *fetch_weights;            /* device out [n_tokens, top_k] */
+    int64_t *stats;                  /* device out [FT_CUDA_FETCH_STATS] */
+    void *stream;
+} ft_cuda_fetch_plan_args;
+
+typedef struct ft_cuda_fetch_gather_args {
+    uint64_t struct_size;
+    int32_t device;
+    int32_t n_kinds;                 /* 1..3 */
+    int64_t n_experts, top_k, max_fetch, dummy_base; /* as the plan's */
+    const int32_t *fetched;          /* device: the plan's */
+    int64_t *stats;                  /* device: the plan's (reads n_fetch, writes the span) */
+    const void *src[3];              /* registered host: expert 0's bytes of each kind */
+    int64_t src_stride[3];           /* bytes from one expert to the next, >= 0 */
+    int64_t nbytes[3];               /* an expert's bytes of each kind, > 0 */
+    void *dst[3];                    /* device: staging slot s of a kind at dst + s * nbytes */
+    void *stream;
+} ft_cuda_fetch_gather_args;
+
 /* Attention's q or k after the fused QKV product, in one kernel (instead of an RMSNorm and four
  * element-wise kernels): per token and head, RMSNorm over the head (when `weight` is set), then
  * NEOX RoPE over the whole head with the whole-head tables (`cos` twice, `-sin` then `sin`):
@@ -306,7 +373,7 @@ typedef struct ft_cuda_gdn_decode_args {
 uint32_t ft_cuda_abi_version(void);
 /* sizeof of each argument struct: 0 device_info, 1 matmul_args, 2 moe_args, 3 handoff_args,
  * 4 handoff_routes_args, 5 norm_rope_args, 6 topk_softmax_args, 7 attn_decode_args,
- * 8 gdn_decode_args; 0 if unknown. */
+ * 8 gdn_decode_args, 9 fetch_plan_args, 10 fetch_gather_args; 0 if unknown. */
 uint64_t ft_cuda_struct_size(int32_t which);
 /* Finds the devices; FT_CUDA_EDEVICE when there are none. Safe to call more than once. */
 int32_t ft_cuda_init(int32_t *n_devices);
@@ -325,6 +392,8 @@ int32_t ft_cuda_attn_decode_work(int32_t device, int64_t n_heads, int64_t n_kv_h
                                  int64_t head_dim_v, int64_t n_keys, uint64_t *bytes);
 int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args);
 int32_t ft_cuda_gdn_decode(const ft_cuda_gdn_decode_args *args);
+int32_t ft_cuda_fetch_plan(const ft_cuda_fetch_plan_args *args);
+int32_t ft_cuda_fetch_gather(const ft_cuda_fetch_gather_args *args);
 const char *ft_cuda_last_error(void);
 
 #ifdef __cplusplus

@@ -15,6 +15,15 @@
 #include "freetoken_cuda.h"
 #include "gdn_decode.cuh"
 
+// The device's nanosecond timer (fetch.cuh and the hand-off's timeout read it).
+static __device__ __forceinline__ uint64_t ft_clock_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+#include "fetch.cuh"
+
 #include "common.cuh"
 #include "ggml-backend-impl.h"
 #include "ggml-cuda.h"
@@ -489,21 +498,15 @@ static int32_t moe_layer_locked(const ft_cuda_moe_args &a) {
 
 // ---- Hand-off with a host thread (hybrid MoE) ----
 
-static __device__ __forceinline__ uint64_t global_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 static __global__ void handoff_wait_add_kernel(const int64_t *counter, volatile int64_t *block, const float *src,
                                                float *dst, int64_t n, uint64_t timeout_ns) {
     __shared__ int answered;
     if (threadIdx.x == 0) {
         const int64_t seq = *counter;
-        const uint64_t start = global_ns();
+        const uint64_t start = ft_clock_ns();
         int ok = 1;
         while (block[FT_CUDA_HANDOFF_CPU_SEQ] < seq) {
-            if (global_ns() - start > timeout_ns) {
+            if (ft_clock_ns() - start > timeout_ns) {
                 block[FT_CUDA_HANDOFF_TIMEOUT] = seq;
                 ok = 0;
                 break;
@@ -613,6 +616,88 @@ static int32_t handoff_routes_locked(const ft_cuda_handoff_routes_args &a) {
                                                                (int32_t *)ids_host, (float *)w_host);
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "handoff_routes");
+}
+
+// ---- The fetch share on the device (fetch.cuh) ----
+
+static bool positive_finite(double v) { return v > 0.0 && v < INFINITY; }
+
+static int32_t fetch_plan_locked(const ft_cuda_fetch_plan_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.ids == nullptr || a.weights == nullptr || a.resident == nullptr || a.resident_host == nullptr ||
+        a.fetched == nullptr || a.slots == nullptr || a.fetch_weights == nullptr || a.stats == nullptr) {
+        return fail(FT_CUDA_EINVAL, "fetch_plan: null pointer");
+    }
+    const bool links = positive_finite(a.b_cpu) && positive_finite(a.b_pcie) && positive_finite(a.b_gpu) &&
+                       positive_finite(a.b_cpu_with_pcie) && positive_finite(a.b_pcie_with_cpu);
+    if (a.n_tokens < 1 || a.top_k < 1 || a.n_tokens > MAX_ELEMENTS / a.top_k || a.n_experts < 1 ||
+        a.n_experts > FT_CUDA_FETCH_MAX_EXPERTS || a.dummy_base < 0 || a.dummy_base > INT32_MAX - a.top_k ||
+        a.max_fetch < 0 || a.max_fetch > a.n_experts || a.max_fetch > a.dummy_base ||
+        a.max_fetch >= FETCH_PLAN_THREADS || (a.price_routes != 0 && a.price_routes != 1) ||
+        !positive_finite(a.expert_bytes) || !(a.overhead_s >= 0.0 && a.overhead_s < INFINITY) ||
+        !(a.share < 0.0 || a.share <= 1.0) || !links) {
+        return fail(FT_CUDA_ESHAPE,
+                    "fetch_plan: bad sizes (%lld tokens, top-%lld of %lld experts, max_fetch %lld, dummy_base %lld, "
+                    "share %g, expert bytes %g, overhead %g)",
+                    (long long)a.n_tokens, (long long)a.top_k, (long long)a.n_experts, (long long)a.max_fetch,
+                    (long long)a.dummy_base, a.share, a.expert_bytes, a.overhead_s);
+    }
+    device_guard dg(a.device);
+    void *marks = nullptr;
+    if ((rc = mapped(a.resident_host, &marks, "resident_host")) != FT_CUDA_OK) {
+        return rc;
+    }
+    ft_cuda_fetch_plan_args p = a;
+    p.resident_host = (int32_t *)marks;
+    cudaGetLastError();
+    fetch_plan_kernel<<<1, FETCH_PLAN_THREADS, 0, as_stream(a.stream)>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "fetch_plan");
+}
+
+static int32_t fetch_gather_locked(const ft_cuda_fetch_gather_args &a) {
+    int32_t rc = check_device(a.device);
+    if (rc != FT_CUDA_OK) {
+        return rc;
+    }
+    if (a.fetched == nullptr || a.stats == nullptr) {
+        return fail(FT_CUDA_EINVAL, "fetch_gather: null pointer");
+    }
+    if (a.n_kinds < 1 || a.n_kinds > 3 || a.n_experts < 1 || a.n_experts > FT_CUDA_FETCH_MAX_EXPERTS ||
+        a.top_k < 1 || a.max_fetch < 0 || a.max_fetch > a.n_experts || a.dummy_base < a.max_fetch ||
+        a.dummy_base > INT32_MAX - a.top_k) {
+        return fail(FT_CUDA_ESHAPE, "fetch_gather: bad sizes (%d kinds, %lld experts, top-%lld, max_fetch %lld, "
+                    "dummy_base %lld)", a.n_kinds, (long long)a.n_experts, (long long)a.top_k,
+                    (long long)a.max_fetch, (long long)a.dummy_base);
+    }
+    device_guard dg(a.device);
+    ft_cuda_fetch_gather_args p = a;
+    for (int k = 0; k < a.n_kinds; ++k) {
+        if (a.src[k] == nullptr || a.dst[k] == nullptr || a.nbytes[k] < 1 || a.src_stride[k] < 0 ||
+            a.src_stride[k] > (INT64_MAX - a.nbytes[k]) / a.n_experts) {
+            return fail(FT_CUDA_EINVAL, "fetch_gather: kind %d: null pointer or bad sizes", k);
+        }
+        // Every expert's bytes lie in one registration: its first and last byte map to
+        // device addresses as far apart as on the host.
+        const int64_t last = (a.n_experts - 1) * a.src_stride[k] + a.nbytes[k] - 1;
+        void *first_dev = nullptr, *last_dev = nullptr;
+        if ((rc = mapped(a.src[k], &first_dev, "fetch_gather src")) != FT_CUDA_OK ||
+            (rc = mapped((const char *)a.src[k] + last, &last_dev, "fetch_gather src end")) != FT_CUDA_OK) {
+            return rc;
+        }
+        if ((char *)last_dev - (char *)first_dev != last) {
+            return fail(FT_CUDA_EINVAL, "fetch_gather: kind %d's experts span several registrations", k);
+        }
+        p.src[k] = first_dev;
+    }
+    cudaGetLastError();
+    const dim3 grid((unsigned)(a.max_fetch + a.top_k), (unsigned)a.n_kinds);
+    fetch_gather_kernel<<<grid, FETCH_GATHER_THREADS, 0, as_stream(a.stream)>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FT_CUDA_OK : cuda_fail(err, "fetch_gather");
 }
 
 // ---- Attention's q/k: RMSNorm per head and NEOX RoPE in one kernel ----
@@ -916,6 +1001,8 @@ FT_EXPORT uint64_t ft_cuda_struct_size(int32_t which) {
         case 6: return sizeof(ft_cuda_topk_softmax_args);
         case 7: return sizeof(ft_cuda_attn_decode_args);
         case 8: return sizeof(ft_cuda_gdn_decode_args);
+        case 9: return sizeof(ft_cuda_fetch_plan_args);
+        case 10: return sizeof(ft_cuda_fetch_gather_args);
         default: return 0;
     }
 }
@@ -1016,6 +1103,14 @@ FT_EXPORT int32_t ft_cuda_topk_softmax(const ft_cuda_topk_softmax_args *args) {
 
 FT_EXPORT int32_t ft_cuda_gdn_decode(const ft_cuda_gdn_decode_args *args) {
     return checked_call("gdn_decode", args, gdn_decode_locked);
+}
+
+FT_EXPORT int32_t ft_cuda_fetch_plan(const ft_cuda_fetch_plan_args *args) {
+    return checked_call("fetch_plan", args, fetch_plan_locked);
+}
+
+FT_EXPORT int32_t ft_cuda_fetch_gather(const ft_cuda_fetch_gather_args *args) {
+    return checked_call("fetch_gather", args, fetch_gather_locked);
 }
 
 FT_EXPORT const char *ft_cuda_last_error(void) { return g_last_error.c_str(); }

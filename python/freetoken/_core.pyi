@@ -18,6 +18,9 @@ _HostArray = Buffer | np.ndarray[Any, Any] | torch.Tensor
 __all__ = [
     "CUDA_ABI_VERSION",
     "CUDA_ATTN_MAX_KEYS",
+    "CUDA_FETCHED",
+    "CUDA_FETCH_MAX_EXPERTS",
+    "CUDA_FETCH_STATS",
     "CUDA_GDN_MAX_DIM",
     "CUDA_GDN_MAX_SEQS",
     "CUDA_TOPK_MAX_EXPERTS",
@@ -57,6 +60,8 @@ __all__ = [
     "cuda_attn_decode_work",
     "cuda_device_info",
     "cuda_expert_matmul",
+    "cuda_fetch_gather",
+    "cuda_fetch_plan",
     "cuda_gdn_decode",
     "cuda_handoff_routes",
     "cuda_handoff_wait_add",
@@ -97,6 +102,9 @@ CUDA_TOPK_MAX_EXPERTS: int
 CUDA_TOPK_MAX_K: int
 CUDA_GDN_MAX_SEQS: int
 CUDA_GDN_MAX_DIM: int
+CUDA_FETCH_MAX_EXPERTS: int
+CUDA_FETCHED: int
+CUDA_FETCH_STATS: int
 
 @final
 class TypeInfo:
@@ -451,6 +459,24 @@ def cuda_gdn_decode(
     weights: tuple[int, int, int, int],
     states: list[tuple[int, int]],
     out: int,
+) -> None: ...
+def cuda_fetch_plan(
+    device: int,
+    stream: int,
+    sizes: tuple[int, int, int, int, int],
+    price_routes: bool,
+    rule: tuple[float, float, float | None],
+    links: tuple[float, float, float, float, float],
+    device_ptrs: tuple[int, int, int, int, int, int, int],
+    resident_host: _HostArray,
+) -> None: ...
+def cuda_fetch_gather(
+    device: int,
+    stream: int,
+    sizes: tuple[int, int, int, int],
+    fetched: int,
+    stats: int,
+    kinds: list[tuple[int, int, int, int]],
 ) -> None: ...
 
 @final

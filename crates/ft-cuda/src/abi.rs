@@ -6,7 +6,7 @@
 use std::ffi::{c_char, c_void};
 
 /// The C ABI version this crate speaks (`FT_CUDA_ABI_VERSION`).
-pub const ABI_VERSION: u32 = 7;
+pub const ABI_VERSION: u32 = 8;
 /// Keys [`crate::Cuda::attn_decode`] takes at most (`FT_CUDA_ATTN_MAX_KEYS`).
 pub const ATTN_MAX_KEYS: usize = 262144;
 /// Experts [`crate::Cuda::topk_softmax`] takes at most (`FT_CUDA_TOPK_MAX_EXPERTS`): a thread
@@ -20,6 +20,33 @@ pub const GDN_MAX_SEQS: usize = 64;
 /// The largest head [`crate::Cuda::gdn_decode`] takes (`FT_CUDA_GDN_MAX_DIM`): a thread keeps
 /// its share of a state column in registers.
 pub const GDN_MAX_DIM: usize = 256;
+/// Experts of a layer [`crate::Cuda::fetch_plan`] takes at most (`FT_CUDA_FETCH_MAX_EXPERTS`):
+/// a thread per expert and per candidate count.
+pub const FETCH_MAX_EXPERTS: usize = 1024;
+/// A fetched expert's entry in the host's resident table (`FT_CUDA_FETCHED`).
+pub const FETCHED: i32 = i32::MAX;
+/// The int64 words of a fetch plan's statistics (`FT_CUDA_FETCH_STATS`, `FT_CUDA_FETCH_*`):
+/// experts fetched and missed, their routes, the gather's span, the model's two times.
+pub const FETCH_STATS: usize = 8;
+/// The statistics' words, in order.
+pub mod fetch_words {
+    /// Experts fetched.
+    pub const N: usize = 0;
+    /// Experts missed.
+    pub const MISSED: usize = 1;
+    /// Routes of the fetched experts.
+    pub const ROUTES: usize = 2;
+    /// Routes of the missed experts.
+    pub const MISSED_ROUTES: usize = 3;
+    /// The gather's first block's start on the GPU's timer (`i64::MAX`: none ran).
+    pub const START_NS: usize = 4;
+    /// Its last block's end.
+    pub const END_NS: usize = 5;
+    /// The model's upload and GPU nanoseconds of the choice.
+    pub const UPLOAD_NS: usize = 6;
+    /// The model's CPU nanoseconds of the choice.
+    pub const CPU_NS: usize = 7;
+}
 
 pub(crate) const OK: i32 = 0;
 pub(crate) const FLAG_CHECK_IDS: u32 = 1;
@@ -221,6 +248,53 @@ pub(crate) struct RawGdnDecodeArgs {
     pub(crate) stream: *mut c_void,
 }
 
+#[repr(C)]
+pub(crate) struct RawFetchPlanArgs {
+    pub(crate) struct_size: u64,
+    pub(crate) device: i32,
+    pub(crate) price_routes: i32,
+    pub(crate) n_tokens: i64,
+    pub(crate) top_k: i64,
+    pub(crate) n_experts: i64,
+    pub(crate) max_fetch: i64,
+    pub(crate) dummy_base: i64,
+    pub(crate) expert_bytes: f64,
+    pub(crate) overhead_s: f64,
+    pub(crate) share: f64,
+    pub(crate) b_cpu: f64,
+    pub(crate) b_pcie: f64,
+    pub(crate) b_gpu: f64,
+    pub(crate) b_cpu_with_pcie: f64,
+    pub(crate) b_pcie_with_cpu: f64,
+    pub(crate) ids: *const i32,
+    pub(crate) weights: *const f32,
+    pub(crate) resident: *const i32,
+    pub(crate) resident_host: *mut i32,
+    pub(crate) fetched: *mut i32,
+    pub(crate) slots: *mut i32,
+    pub(crate) fetch_weights: *mut f32,
+    pub(crate) stats: *mut i64,
+    pub(crate) stream: *mut c_void,
+}
+
+#[repr(C)]
+pub(crate) struct RawFetchGatherArgs {
+    pub(crate) struct_size: u64,
+    pub(crate) device: i32,
+    pub(crate) n_kinds: i32,
+    pub(crate) n_experts: i64,
+    pub(crate) top_k: i64,
+    pub(crate) max_fetch: i64,
+    pub(crate) dummy_base: i64,
+    pub(crate) fetched: *const i32,
+    pub(crate) stats: *mut i64,
+    pub(crate) src: [*const c_void; 3],
+    pub(crate) src_stride: [i64; 3],
+    pub(crate) nbytes: [i64; 3],
+    pub(crate) dst: [*mut c_void; 3],
+    pub(crate) stream: *mut c_void,
+}
+
 pub(crate) type FnAbiVersion = unsafe extern "C" fn() -> u32;
 pub(crate) type FnStructSize = unsafe extern "C" fn(i32) -> u64;
 pub(crate) type FnInit = unsafe extern "C" fn(*mut i32) -> i32;
@@ -236,10 +310,12 @@ pub(crate) type FnAttnDecode = unsafe extern "C" fn(*const RawAttnDecodeArgs) ->
 pub(crate) type FnAttnDecodeWork =
     unsafe extern "C" fn(i32, i64, i64, i64, i64, i64, *mut u64) -> i32;
 pub(crate) type FnGdnDecode = unsafe extern "C" fn(*const RawGdnDecodeArgs) -> i32;
+pub(crate) type FnFetchPlan = unsafe extern "C" fn(*const RawFetchPlanArgs) -> i32;
+pub(crate) type FnFetchGather = unsafe extern "C" fn(*const RawFetchGatherArgs) -> i32;
 pub(crate) type FnLastError = unsafe extern "C" fn() -> *const c_char;
 
 /// `(index, C name, size)` of every argument struct, as `ft_cuda_struct_size` numbers them.
-pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 9] {
+pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 11] {
     use std::mem::size_of;
     [
         (0, "ft_cuda_device_info", size_of::<RawDeviceInfo>()),
@@ -263,6 +339,12 @@ pub(crate) fn struct_sizes() -> [(i32, &'static str, usize); 9] {
             size_of::<RawAttnDecodeArgs>(),
         ),
         (8, "ft_cuda_gdn_decode_args", size_of::<RawGdnDecodeArgs>()),
+        (9, "ft_cuda_fetch_plan_args", size_of::<RawFetchPlanArgs>()),
+        (
+            10,
+            "ft_cuda_fetch_gather_args",
+            size_of::<RawFetchGatherArgs>(),
+        ),
     ]
 }
 
@@ -290,6 +372,20 @@ mod tests {
             ("FT_CUDA_TOPK_MAX_K", TOPK_MAX_K as u64),
             ("FT_CUDA_GDN_MAX_SEQS", GDN_MAX_SEQS as u64),
             ("FT_CUDA_GDN_MAX_DIM", GDN_MAX_DIM as u64),
+            ("FT_CUDA_FETCH_MAX_EXPERTS", FETCH_MAX_EXPERTS as u64),
+            ("FT_CUDA_FETCHED", FETCHED as u64),
+            ("FT_CUDA_FETCH_STATS", FETCH_STATS as u64),
+            ("FT_CUDA_FETCH_N", fetch_words::N as u64),
+            ("FT_CUDA_FETCH_MISSED", fetch_words::MISSED as u64),
+            ("FT_CUDA_FETCH_ROUTES", fetch_words::ROUTES as u64),
+            (
+                "FT_CUDA_FETCH_MISSED_ROUTES",
+                fetch_words::MISSED_ROUTES as u64,
+            ),
+            ("FT_CUDA_FETCH_START_NS", fetch_words::START_NS as u64),
+            ("FT_CUDA_FETCH_END_NS", fetch_words::END_NS as u64),
+            ("FT_CUDA_FETCH_UPLOAD_NS", fetch_words::UPLOAD_NS as u64),
+            ("FT_CUDA_FETCH_CPU_NS", fetch_words::CPU_NS as u64),
             ("FT_CUDA_ROW_PADDING", ROW_PADDING as u64),
             ("FT_CUDA_MAX_POOL_BLOCKS", MAX_BLOCKS as u64),
             ("FT_CUDA_OK", OK as u64),
@@ -519,6 +615,57 @@ mod tests {
                 conv_states,
                 ssm_states,
                 out,
+                stream
+            ]
+        );
+        layout!(
+            RawFetchPlanArgs,
+            "ft_cuda_fetch_plan_args",
+            [
+                struct_size,
+                device,
+                price_routes,
+                n_tokens,
+                top_k,
+                n_experts,
+                max_fetch,
+                dummy_base,
+                expert_bytes,
+                overhead_s,
+                share,
+                b_cpu,
+                b_pcie,
+                b_gpu,
+                b_cpu_with_pcie,
+                b_pcie_with_cpu,
+                ids,
+                weights,
+                resident,
+                resident_host,
+                fetched,
+                slots,
+                fetch_weights,
+                stats,
+                stream
+            ]
+        );
+        layout!(
+            RawFetchGatherArgs,
+            "ft_cuda_fetch_gather_args",
+            [
+                struct_size,
+                device,
+                n_kinds,
+                n_experts,
+                top_k,
+                max_fetch,
+                dummy_base,
+                fetched,
+                stats,
+                src,
+                src_stride,
+                nbytes,
+                dst,
                 stream
             ]
         );

@@ -18,12 +18,14 @@ mod loader;
 mod ops;
 
 pub use abi::{
-    ABI_VERSION, ATTN_MAX_KEYS, GDN_MAX_DIM, GDN_MAX_SEQS, TOPK_MAX_EXPERTS, TOPK_MAX_K,
+    fetch_words, ABI_VERSION, ATTN_MAX_KEYS, FETCHED, FETCH_MAX_EXPERTS, FETCH_STATS, GDN_MAX_DIM,
+    GDN_MAX_SEQS, TOPK_MAX_EXPERTS, TOPK_MAX_K,
 };
 pub use checks::check_ids;
 pub use ft_core::cache_plan::{pool_nbytes, MAX_POOL_BLOCKS as MAX_BLOCKS, ROW_PADDING};
 pub use loader::{available, library_present, runtime, Cuda, LIB_ENV, LIB_NAME};
 pub use ops::{
-    Activation, AttnDecode, AttnDecodeShape, DeviceInfo, ExpertMatmul, GdnDecode, Handoff,
-    HandoffRoutes, Kernel, MoeLayer, NormRope, TopkSoftmax, MMVQ_MAX_TOKENS,
+    Activation, AttnDecode, AttnDecodeShape, DeviceInfo, ExpertMatmul, FetchGather, FetchKind,
+    FetchLinks, FetchPlan, GdnDecode, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope,
+    TopkSoftmax, MMVQ_MAX_TOKENS,
 };

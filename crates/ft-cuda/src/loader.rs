@@ -26,6 +26,8 @@ pub(crate) struct Api {
     pub(crate) attn_decode: FnAttnDecode,
     pub(crate) attn_decode_work: FnAttnDecodeWork,
     pub(crate) gdn_decode: FnGdnDecode,
+    pub(crate) fetch_plan: FnFetchPlan,
+    pub(crate) fetch_gather: FnFetchGather,
     pub(crate) last_error: FnLastError,
 }
 
@@ -168,6 +170,8 @@ impl Cuda {
                 attn_decode: symbol(handle, "ft_cuda_attn_decode")?,
                 attn_decode_work: symbol(handle, "ft_cuda_attn_decode_work")?,
                 gdn_decode: symbol(handle, "ft_cuda_gdn_decode")?,
+                fetch_plan: symbol(handle, "ft_cuda_fetch_plan")?,
+                fetch_gather: symbol(handle, "ft_cuda_fetch_gather")?,
                 last_error: symbol(handle, "ft_cuda_last_error")?,
             };
             let mut n = 0i32;

@@ -389,6 +389,135 @@ pub struct HandoffRoutes {
     pub gpu_weights: usize,
 }
 
+/// A layer's bandwidths for the fetch rule, GB/s: each link alone and while the other runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FetchLinks {
+    /// The CPU expert kernels.
+    pub cpu: f64,
+    /// Host-to-GPU copies.
+    pub pcie: f64,
+    /// The GPU expert kernels.
+    pub gpu: f64,
+    /// The CPU while uploads run.
+    pub cpu_with_pcie: f64,
+    /// Uploads while the CPU computes.
+    pub pcie_with_cpu: f64,
+}
+
+/// One layer's fetch choice on the device ([`Cuda::fetch_plan`]; the rule is in
+/// `cuda/include/freetoken_cuda.h`, "fetch share").
+#[derive(Debug, Clone, Copy)]
+pub struct FetchPlan {
+    /// CUDA device index.
+    pub device: i32,
+    /// `cudaStream_t`.
+    pub stream: usize,
+    /// Tokens.
+    pub n_tokens: usize,
+    /// Routes per token.
+    pub top_k: usize,
+    /// Experts of the layer, at most [`FETCH_MAX_EXPERTS`].
+    pub n_experts: usize,
+    /// Experts fetched at most (below [`FETCH_MAX_EXPERTS`], at most `dummy_base`).
+    pub max_fetch: usize,
+    /// The first of `top_k` zeroed staging slots that routes not fetched point at.
+    pub dummy_base: usize,
+    /// Each CPU route priced as one expert read (else each missed expert).
+    pub price_routes: bool,
+    /// An expert's bytes (its three matrices).
+    pub expert_bytes: f64,
+    /// Seconds a layer pays when it fetches at all.
+    pub overhead_s: f64,
+    /// The share of the missed experts forced, or None: the modelled choice.
+    pub share: Option<f64>,
+    /// The layer kind's bandwidths.
+    pub links: FetchLinks,
+    /// Device int32 `[n_tokens, top_k]`.
+    pub ids: usize,
+    /// Device float32 `[n_tokens, top_k]`.
+    pub weights: usize,
+    /// Device int32 `[n_experts]`: slot or -1.
+    pub resident: usize,
+    /// Registered host int32 `[n_experts]`: the host thread's table, fetched experts marked.
+    pub resident_host: usize,
+    /// Device int32 `[n_experts]`, written: the fetched experts, in order.
+    pub fetched: usize,
+    /// Device int32 `[n_tokens, top_k]`, written: each route's staging slot.
+    pub slots: usize,
+    /// Device float32 `[n_tokens, top_k]`, written: each route's weight on the staging.
+    pub fetch_weights: usize,
+    /// Device int64 `[FETCH_STATS]`, written.
+    pub stats: usize,
+}
+
+/// One matrix kind of a layer's experts for [`Cuda::fetch_gather`]: where expert 0's bytes
+/// lie in registered host memory, the distance to the next expert's, an expert's bytes, and
+/// slot 0 of the staging pool on the device.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchKind {
+    /// Registered host address of expert 0.
+    pub src: usize,
+    /// Bytes from one expert to the next.
+    pub stride: usize,
+    /// An expert's bytes.
+    pub nbytes: usize,
+    /// Device address of staging slot 0.
+    pub dst: usize,
+}
+
+/// The upload of a fetch plan's experts into a staging pool ([`Cuda::fetch_gather`]).
+#[derive(Debug, Clone)]
+pub struct FetchGather {
+    /// CUDA device index.
+    pub device: i32,
+    /// `cudaStream_t`.
+    pub stream: usize,
+    /// As the plan's.
+    pub n_experts: usize,
+    /// As the plan's.
+    pub top_k: usize,
+    /// As the plan's.
+    pub max_fetch: usize,
+    /// As the plan's.
+    pub dummy_base: usize,
+    /// The plan's `fetched`.
+    pub fetched: usize,
+    /// The plan's `stats`.
+    pub stats: usize,
+    /// One to three matrix kinds.
+    pub kinds: Vec<FetchKind>,
+}
+
+fn check_fetch_sizes(
+    n_experts: usize,
+    top_k: usize,
+    max_fetch: usize,
+    dummy_base: usize,
+) -> Result<()> {
+    if !(1..=FETCH_MAX_EXPERTS).contains(&n_experts)
+        || top_k == 0
+        || max_fetch > n_experts
+        || max_fetch >= FETCH_MAX_EXPERTS
+        || max_fetch > dummy_base
+        || dummy_base + top_k > i32::MAX as usize
+    {
+        return Err(Error::Shape(format!(
+            "fetch of at most {max_fetch} of {n_experts} experts (1..={FETCH_MAX_EXPERTS}), \
+             top-{top_k}, zeroed slots from {dummy_base}"
+        )));
+    }
+    Ok(())
+}
+
+fn check_stats(stats: usize) -> Result<()> {
+    if stats == 0 || !stats.is_multiple_of(8) {
+        return Err(Error::InvalidInput(format!(
+            "fetch stats: device address {stats:#x} is null or not 8-byte aligned"
+        )));
+    }
+    Ok(())
+}
+
 impl Cuda {
     fn check_device(&self, device: i32) -> Result<()> {
         if device < 0 || device >= self.n_devices {
@@ -929,5 +1058,125 @@ impl Cuda {
         // and outlive it); the caller owns device buffers of the sizes stated (checked against
         // the tensors by the Python layer) for as long as they run.
         self.status(unsafe { (self.api.gdn_decode)(&raw) })
+    }
+
+    /// Queues [`FetchPlan`] on its stream: which of the layer's missed experts to upload,
+    /// each route's staging slot and weight, the host table's marks and the statistics.
+    pub fn fetch_plan(&self, p: &FetchPlan) -> Result<()> {
+        self.check_device(p.device)?;
+        check_addrs(&[
+            ("ids", p.ids),
+            ("weights", p.weights),
+            ("resident", p.resident),
+            ("resident_host", p.resident_host),
+            ("fetched", p.fetched),
+            ("slots", p.slots),
+            ("fetch_weights", p.fetch_weights),
+        ])?;
+        check_stats(p.stats)?;
+        check_tokens("fetch_plan", p.n_tokens, p.top_k, 1)?;
+        check_fetch_sizes(p.n_experts, p.top_k, p.max_fetch, p.dummy_base)?;
+        let l = p.links;
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        let figures = [
+            l.cpu,
+            l.pcie,
+            l.gpu,
+            l.cpu_with_pcie,
+            l.pcie_with_cpu,
+            p.expert_bytes,
+        ];
+        let overhead_ok = p.overhead_s.is_finite() && p.overhead_s >= 0.0;
+        let share_ok = p.share.is_none_or(|s| (0.0..=1.0).contains(&s));
+        if !(figures.into_iter().all(positive) && overhead_ok && share_ok) {
+            return Err(Error::InvalidInput(format!(
+                "fetch_plan: bandwidths {l:?} and expert bytes {} must be positive, the \
+                 overhead {} s at least 0, a share {:?} within 0-1",
+                p.expert_bytes, p.overhead_s, p.share
+            )));
+        }
+        let raw = RawFetchPlanArgs {
+            struct_size: std::mem::size_of::<RawFetchPlanArgs>() as u64,
+            device: p.device,
+            price_routes: i32::from(p.price_routes),
+            n_tokens: p.n_tokens as i64,
+            top_k: p.top_k as i64,
+            n_experts: p.n_experts as i64,
+            max_fetch: p.max_fetch as i64,
+            dummy_base: p.dummy_base as i64,
+            expert_bytes: p.expert_bytes,
+            overhead_s: p.overhead_s,
+            share: p.share.unwrap_or(-1.0),
+            b_cpu: l.cpu,
+            b_pcie: l.pcie,
+            b_gpu: l.gpu,
+            b_cpu_with_pcie: l.cpu_with_pcie,
+            b_pcie_with_cpu: l.pcie_with_cpu,
+            ids: p.ids as *const i32,
+            weights: p.weights as *const f32,
+            resident: p.resident as *const i32,
+            resident_host: p.resident_host as *mut i32,
+            fetched: p.fetched as *mut i32,
+            slots: p.slots as *mut i32,
+            fetch_weights: p.fetch_weights as *mut f32,
+            stats: p.stats as *mut i64,
+            stream: p.stream as *mut c_void,
+        };
+        // SAFETY: the library checks the host table is registered and only queues a kernel;
+        // the caller owns every buffer of the stated size for as long as it runs.
+        self.status(unsafe { (self.api.fetch_plan)(&raw) })
+    }
+
+    /// Queues [`FetchGather`] on its stream: the plan's experts of each kind from registered
+    /// host memory into staging slots `0..`, the `top_k` slots from `dummy_base` zeroed.
+    pub fn fetch_gather(&self, g: &FetchGather) -> Result<()> {
+        self.check_device(g.device)?;
+        check_addrs(&[("fetched", g.fetched)])?;
+        check_stats(g.stats)?;
+        check_fetch_sizes(g.n_experts, g.top_k, g.max_fetch, g.dummy_base)?;
+        if g.kinds.is_empty() || g.kinds.len() > 3 {
+            return Err(Error::Shape(format!(
+                "fetch_gather: {} matrix kinds (1..=3)",
+                g.kinds.len()
+            )));
+        }
+        let mut raw = RawFetchGatherArgs {
+            struct_size: std::mem::size_of::<RawFetchGatherArgs>() as u64,
+            device: g.device,
+            n_kinds: g.kinds.len() as i32,
+            n_experts: g.n_experts as i64,
+            top_k: g.top_k as i64,
+            max_fetch: g.max_fetch as i64,
+            dummy_base: g.dummy_base as i64,
+            fetched: g.fetched as *const i32,
+            stats: g.stats as *mut i64,
+            src: [std::ptr::null(); 3],
+            src_stride: [0; 3],
+            nbytes: [0; 3],
+            dst: [std::ptr::null_mut(); 3],
+            stream: g.stream as *mut c_void,
+        };
+        for (i, k) in g.kinds.iter().enumerate() {
+            let span = (g.n_experts - 1)
+                .checked_mul(k.stride)
+                .and_then(|s| s.checked_add(k.nbytes));
+            if k.src == 0
+                || k.dst == 0
+                || k.nbytes == 0
+                || span.is_none_or(|s| s > i64::MAX as usize)
+            {
+                return Err(Error::InvalidInput(format!(
+                    "fetch_gather: kind {i}: null address or bad sizes ({} bytes every {})",
+                    k.nbytes, k.stride
+                )));
+            }
+            raw.src[i] = k.src as *const c_void;
+            raw.src_stride[i] = k.stride as i64;
+            raw.nbytes[i] = k.nbytes as i64;
+            raw.dst[i] = k.dst as *mut c_void;
+        }
+        // SAFETY: the library checks every kind's experts lie in one registration and only
+        // queues a kernel; the caller's staging holds dummy_base + top_k slots of each kind.
+        self.status(unsafe { (self.api.fetch_gather)(&raw) })
     }
 }

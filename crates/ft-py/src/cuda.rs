@@ -7,8 +7,8 @@ use crate::errors::IntoPy;
 use crate::host::{check_disjoint, Dtype, HostArray};
 use freetoken_ggml::GgmlType;
 use ft_cuda::{
-    Activation, AttnDecode, AttnDecodeShape, ExpertMatmul, GdnDecode, Handoff, HandoffRoutes,
-    Kernel, MoeLayer, NormRope, TopkSoftmax,
+    Activation, AttnDecode, AttnDecodeShape, ExpertMatmul, FetchGather, FetchKind, FetchLinks,
+    FetchPlan, GdnDecode, Handoff, HandoffRoutes, Kernel, MoeLayer, NormRope, TopkSoftmax,
 };
 use pyo3::prelude::*;
 
@@ -29,11 +29,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_attn_decode, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_attn_decode_work, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_gdn_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_fetch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_fetch_gather, m)?)?;
     m.add("CUDA_ATTN_MAX_KEYS", ft_cuda::ATTN_MAX_KEYS)?;
     m.add("CUDA_TOPK_MAX_EXPERTS", ft_cuda::TOPK_MAX_EXPERTS)?;
     m.add("CUDA_TOPK_MAX_K", ft_cuda::TOPK_MAX_K)?;
     m.add("CUDA_GDN_MAX_SEQS", ft_cuda::GDN_MAX_SEQS)?;
     m.add("CUDA_GDN_MAX_DIM", ft_cuda::GDN_MAX_DIM)?;
+    m.add("CUDA_FETCH_MAX_EXPERTS", ft_cuda::FETCH_MAX_EXPERTS)?;
+    m.add("CUDA_FETCHED", ft_cuda::FETCHED)?;
+    m.add("CUDA_FETCH_STATS", ft_cuda::FETCH_STATS)?;
     use ft_cpu::handoff_words as w;
     for (name, value) in [
         ("HANDOFF_WORDS", w::WORDS),
@@ -479,5 +484,95 @@ pub fn cuda_gdn_decode(
     };
     ft_cuda::runtime()
         .and_then(|rt| rt.gdn_decode(&args))
+        .py_err()
+}
+
+/// One layer's fetch choice on the device (`ft_cuda::Cuda::fetch_plan`). `sizes` is
+/// (n_tokens, top_k, n_experts, max_fetch, dummy_base); `rule` (expert bytes, overhead
+/// seconds, forced share or None); `links` the GB/s (cpu, pcie, gpu, cpu with pcie, pcie
+/// with cpu); `device_ptrs` (ids, weights, resident, fetched, slots, fetch_weights, stats);
+/// `resident_host` the host thread's int32 table row of the layer in registered host memory.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // mirrors the C ABI's flat argument list
+pub fn cuda_fetch_plan(
+    device: i32,
+    stream: usize,
+    sizes: (usize, usize, usize, usize, usize),
+    price_routes: bool,
+    rule: (f64, f64, Option<f64>),
+    links: (f64, f64, f64, f64, f64),
+    device_ptrs: (usize, usize, usize, usize, usize, usize, usize),
+    resident_host: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (n_tokens, top_k, n_experts, max_fetch, dummy_base) = sizes;
+    let (expert_bytes, overhead_s, share) = rule;
+    let (ids, weights, resident, fetched, slots, fetch_weights, stats) = device_ptrs;
+    let host = HostArray::output(resident_host, Dtype::I32, "resident_host")?;
+    host.expect_len(n_experts, "n_experts")?;
+    let p = FetchPlan {
+        device,
+        stream,
+        n_tokens,
+        top_k,
+        n_experts,
+        max_fetch,
+        dummy_base,
+        price_routes,
+        expert_bytes,
+        overhead_s,
+        share,
+        links: FetchLinks {
+            cpu: links.0,
+            pcie: links.1,
+            gpu: links.2,
+            cpu_with_pcie: links.3,
+            pcie_with_cpu: links.4,
+        },
+        ids,
+        weights,
+        resident,
+        resident_host: host.raw::<i32>().addr(),
+        fetched,
+        slots,
+        fetch_weights,
+        stats,
+    };
+    ft_cuda::runtime().and_then(|rt| rt.fetch_plan(&p)).py_err()
+}
+
+/// The fetched experts into a staging pool (`ft_cuda::Cuda::fetch_gather`). `sizes` is
+/// (n_experts, top_k, max_fetch, dummy_base) as the plan's; `kinds` per matrix kind (host
+/// address of expert 0 in registered memory, stride, bytes, device address of staging slot 0).
+#[pyfunction]
+pub fn cuda_fetch_gather(
+    device: i32,
+    stream: usize,
+    sizes: (usize, usize, usize, usize),
+    fetched: usize,
+    stats: usize,
+    kinds: Vec<(usize, usize, usize, usize)>,
+) -> PyResult<()> {
+    let (n_experts, top_k, max_fetch, dummy_base) = sizes;
+    let g = FetchGather {
+        device,
+        stream,
+        n_experts,
+        top_k,
+        max_fetch,
+        dummy_base,
+        fetched,
+        stats,
+        kinds: kinds
+            .into_iter()
+            .map(|(src, stride, nbytes, dst)| FetchKind {
+                src,
+                stride,
+                nbytes,
+                dst,
+            })
+            .collect(),
+    };
+    ft_cuda::runtime()
+        .and_then(|rt| rt.fetch_gather(&g))
         .py_err()
 }

@@ -6,7 +6,8 @@ The model, per layer and step: each missed expert is read once by the side that 
 (the executor groups a step's routes by expert), ``S`` bytes. Uploading ``n_f`` of them takes
 ``n_f S / B_pcie`` and the GPU then computes them in ``n_f S / B_gpu``; the CPU reads the
 other ``n_c = n - n_f`` in ``n_c S / B_cpu``. The layer's time is the larger of the two, plus
-a fixed host cost when anything is fetched (the routes read back, the copies issued). Each
+a fixed cost when anything is fetched (the copy kernel's start and its first round trip over
+PCIe). Each
 ``B`` is the layer kind's ``bench-bw`` figure: with the other link busy when both run
 (``cpu_t1_with_pcie``, ``pcie_expert_with_cpu``), alone when one side has nothing
 (``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_expert``). The rule takes
@@ -16,7 +17,9 @@ one, the CPU does not). Above 8 tokens a step (``price_routes``) each CPU route 
 one expert read instead, as the stream-or-split rule prices it (docs/hybrid.md): the CPU
 computing many tokens an expert is bound by its arithmetic.
 
-This module is pure: numbers in, a :class:`FetchChoice` out.
+This module is pure: numbers in, a :class:`FetchChoice` out. The engine runs the same rule
+on the device on each layer's actual routes (``gpu.fetch_plan``); here it prices expected
+steps (:func:`expect_step`).
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ __all__ = [
 #: Bandwidths assumed without a ``bench-bw`` profile, GB/s: the CPU expert kernels, pinned
 #: host-to-GPU copies, the GPU expert kernels.
 DEFAULT_B_CPU, DEFAULT_B_PCIE, DEFAULT_B_GPU = 50.0, 25.0, 1000.0
-#: Host time a layer pays when it fetches at all: its routes read back (a stream
-#: synchronization) and the copies and launches issued from Python (an estimate).
-FETCH_OVERHEAD_S = 150e-6
+#: Time a layer pays when it fetches at all: the copy kernel's start and its first round
+#: trip over PCIe, after which the copies stream (an estimate).
+FETCH_OVERHEAD_S = 20e-6
 #: Upper bounds of the step-size buckets the fetch counters are kept in (tokens a step).
 BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -52,8 +52,9 @@ KINDS = ("gate", "up", "down")
 MAX_SLOT_TOKENS = 8
 #: A layer's (gate, up, down) slot pools.
 Pools = tuple[gpu.ExpertPool, gpu.ExpertPool, gpu.ExpertPool]
-#: cudaHostRegisterPortable | cudaHostRegisterReadOnly (the mapping is read-only).
-_REGISTER_FLAGS = 1 | 8
+#: cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterReadOnly: the mapping
+#: is read-only, and mapped so that a kernel can read experts in place (hybrid's fetches).
+_REGISTER_FLAGS = 1 | 2 | 8
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,34 @@ class ExpertLayer:
             return gpu.host_tensor(parts[0][0], m.nbytes * count, self.layer)
         return torch.cat([gpu.host_tensor(a, n, self.layer) for a, n in parts])
 
+    def host_spans(self) -> list[tuple[int, int]]:
+        """The host ranges ``(start, end)`` of the kinds whose experts lie evenly spaced in
+        one range (stacked tensors), kinds that tile one range (a fused
+        ``ffn_gate_up_exps``) merged into one; per-expert tensors have none."""
+        spans = sorted(
+            (m.ranges[0][0], m.ranges[-1][0] + m.nbytes)
+            for kind, m in enumerate(self.kinds)
+            if self._spacing(kind, 0, self.n_experts) is not None
+        )
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+            else:
+                merged.append((a, b))
+        return merged
+
+    def fetch_sources(self) -> list[tuple[int, int]] | None:
+        """Each kind's host address of expert 0 and the distance to the next expert, when
+        every kind's experts lie evenly spaced (what the device's fetch reads); else None."""
+        out = []
+        for kind, m in enumerate(self.kinds):
+            step = self._spacing(kind, 0, self.n_experts)
+            if step is None:
+                return None
+            out.append((m.ranges[0][0], step))
+        return out
+
     def _spacing(self, kind: int, first: int, count: int) -> int | None:
         """The host distance between consecutive experts ``first..first+count-1`` of one kind
         when it is the same for all (one expert: its size), else None."""
@@ -188,13 +217,15 @@ def gpu_servable(ex: ExpertLayer) -> bool:
 
 
 class PinnedExperts:
-    """Page-locked expert bytes (cudaHostRegister, read-only), so uploads run asynchronously
-    at full PCIe speed. The registrations are undone when this object is collected, while the
-    mapping is still held (a stale registration would make later copies from a new mapping at
-    the same addresses fail)."""
+    """Page-locked expert bytes (cudaHostRegister, read-only, mapped), so uploads run
+    asynchronously at full PCIe speed and kernels read them in place. The registrations are
+    undone when this object is collected, while the mapping is still held (a stale
+    registration would make later copies from a new mapping at the same addresses fail)."""
 
     def __init__(self) -> None:
         self.addresses: list[int] = []
+        #: The registered host ranges ``(start, end)``.
+        self.spans: list[tuple[int, int]] = []
         self.layers: list[int] = []
         self._mappings: list[Any] = []  # the mapping outlives the registration
         self.release = weakref.finalize(
@@ -203,24 +234,33 @@ class PinnedExperts:
         """Undoes the registrations now (once; also when collected)."""
 
     def pin(self, ex: ExpertLayer) -> bool:
-        """Pins one layer's experts; False (nothing of it left pinned) if the host refuses,
-        e.g. over RLIMIT_MEMLOCK. Per-expert tensors are left pageable."""
+        """Pins one layer's experts (:meth:`ExpertLayer.host_spans`; per-expert tensors are
+        left pageable); False (nothing of it left pinned) if the host refuses, e.g. over
+        RLIMIT_MEMLOCK."""
         cudart = torch.cuda.cudart()
-        done: list[int] = []
-        for m in ex.kinds:
-            start = m.ranges[0][0]
-            end = m.ranges[-1][0] + m.nbytes
-            if end - start != m.nbytes * len(m.ranges):
-                continue
+        done: list[tuple[int, int]] = []
+        for start, end in ex.host_spans():
             if int(cudart.cudaHostRegister(start, end - start, _REGISTER_FLAGS)) != 0:
                 clear_last_cuda_error()
-                unregister_host_memory(done, [])
+                unregister_host_memory([a for a, _ in done], [])
                 return False
-            done.append(start)
-        self.addresses.extend(done)
+            done.append((start, end))
+        self.addresses.extend(a for a, _ in done)
+        self.spans.extend(done)
         self._mappings.append(ex.layer)
         self.layers.append(ex.index)
         return True
+
+    def holds(self, ex: ExpertLayer) -> bool:
+        """Whether every kind of ``ex``'s experts lies in a registered range."""
+        sources = ex.fetch_sources()
+        if sources is None:
+            return False
+        ends = [
+            (addr, addr + (ex.n_experts - 1) * step + m.nbytes)
+            for (addr, step), m in zip(sources, ex.kinds, strict=True)
+        ]
+        return all(any(a <= lo and hi <= b for a, b in self.spans) for lo, hi in ends)
 
 
 def pin_host_memory(layers: Sequence[ExpertLayer], owner: object) -> bool:
@@ -370,10 +410,12 @@ class OffloadExperts(_PlannedPools):
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
         if pinned is None:
-            self.pinned = pin_host_memory(layers, self)
-        else:  # pinned by the caller (--moe-cpu-layers auto), kept as long as these pools
-            self._pins = pinned
+            pinned = PinnedExperts()
+            self.pinned = all(pinned.pin(ex) for ex in layers)
+        else:  # pinned by the caller (--moe-cpu-layers auto)
             self.pinned = set(pinned.layers) >= set(self.order)
+        #: The registrations, kept as long as these pools.
+        self.pins = pinned
         self.copy_stream = torch.cuda.Stream(device)
         self.staging: list[_Staging] = []
         if layers:  # without layers (a hand-off with no slots) nothing is streamed

@@ -20,13 +20,15 @@ finished, so no step reads a slot being written. Steps of many tokens (prefill c
 split the same way unless the bandwidth profile (``freetoken bench-bw``) says that streaming
 the whole layer over PCIe is cheaper than computing the misses on the CPU.
 
-In a split step of several tokens (concurrent decode, prompt chunks) each layer also uploads
-a share of its missed experts into a staging buffer outside the pools and computes them on
-the GPU while the CPU computes the rest, both links busy (:mod:`freetoken.engine.fetch`
-chooses the share from the layer kind's bench-bw figures, or ``--moe-fetch-share`` forces
-it). The layer's routes are read back first, so such steps run eagerly; the fetched
-experts are marked in the host's table only (the CPU skips them, the device table still
-sends them to the pool's zeroed slots) until the step ends.
+In a split step of several tokens (concurrent decode, verify steps, prompt chunks) each layer
+also uploads a share of its missed experts into a staging buffer outside the pools and
+computes them on the GPU while the CPU computes the rest, both links busy. The choice runs on
+the device (``gpu.fetch_plan``, the rule of :mod:`freetoken.engine.fetch` over the layer
+kind's bench-bw figures, or ``--moe-fetch-share``) before the layer's request: it marks the
+fetched experts in the host's table (the CPU skips them as residents; the device table still
+sends them to the pool's zeroed slots) until the step ends, and a kernel on the fetch stream
+copies them from the mapped expert memory (``gpu.fetch_gather``). Nothing reads back, so a
+fetching step is still one CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from freetoken import _core
 from freetoken.engine.bandwidth_profile import KindBandwidth
-from freetoken.engine.fetch import Links, choose_fetch, expect_step, step_bucket
+from freetoken.engine.fetch import FETCH_OVERHEAD_S, Links, expect_step, step_bucket
 from freetoken.engine.gpu_moe import (
     MAX_SLOT_TOKENS,
     ExpertLayer,
@@ -79,10 +81,10 @@ SWAPS_PER_STEP = 16
 SEEDED, FILLED = 1, 2  # origin of a resident expert
 #: The host table's entry of an expert fetched into staging for the current step: the CPU
 #: skips it as it skips a resident (any slot >= 0), the counts tell it from one.
-FETCHED = np.iinfo(np.int32).max
+FETCHED = _core.CUDA_FETCHED
 #: The fetch counters kept per step size (:func:`freetoken.engine.fetch.step_bucket`): split
 #: steps, routes uploaded and computed on the GPU vs computed on the CPU, the experts' bytes
-#: each side read, the seconds the uploads took (CUDA events) and the CPU spent answering.
+#: each side read, the seconds the uploads took (the GPU's timer) and the CPU spent answering.
 FETCH_FIELDS = (
     "steps",
     "uploaded_routes",
@@ -229,6 +231,7 @@ class HybridExperts(OffloadExperts):
                 "out": (np.float32, (MAX_TOKENS, hidden)),
                 "ids": (np.int32, (n, MAX_TOKENS, top_k)),
                 "weights": (np.float32, (n, MAX_TOKENS, top_k)),
+                "resident": (np.int32, (n, n_experts)),
             }
         )
         a = self.host.arrays
@@ -236,8 +239,9 @@ class HybridExperts(OffloadExperts):
         self.views = {k: torch.from_numpy(a[k]) for k in ("x", "out", "ids", "weights")}
         # expert -> slot per layer (-1: computed on the CPU), on the host for the CPU thread
         # and on the device for the hits; both change only between steps (but for the
-        # host's FETCHED marks of a step's fetched experts).
-        self.resident = np.full((n, n_experts), -1, dtype=np.int32)
+        # FETCHED marks the device writes into the host's for a step's fetched experts).
+        self.resident = a["resident"]
+        self.resident[:] = -1
         self.free: dict[int, int] = {}
         for cache, _ in self.of_layer.values():
             if id(cache) in self.free:
@@ -252,18 +256,29 @@ class HybridExperts(OffloadExperts):
         self.origin = np.where(self.resident >= 0, SEEDED, 0).astype(np.int8)
         self.resident_dev = torch.from_numpy(self.resident).to(device)
         self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        # The fetch: each pooled layer's experts as the device reads them (the kinds' host
+        # addresses and strides, for layers whose experts lie evenly spaced in pinned
+        # memory), its two staging pools (the buffers alternate by layer), the plan's list
+        # and statistics per layer.
+        fits = n_experts <= _core.CUDA_FETCH_MAX_EXPERTS
+        self.sources = {
+            ex.index: src
+            for ex in layers
+            if fits and self.pins.holds(ex) and (src := ex.fetch_sources()) is not None
+        }
+        self.staged = {
+            (li, b): _pools(self.layers[li], n_experts, device, self.staging[b].memory)
+            for li in self.sources
+            for b in range(len(self.staging))
+        }
+        self.fetched_dev = torch.zeros((n, n_experts), dtype=torch.int32, device=device)
+        self.fetch_stats = torch.zeros((n, gpu.FETCH_STATS), dtype=torch.int64, device=device)
         self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
         # A plan's uploads, evicted from the tables, until the next step starts their copies.
         self.queued: list[tuple[SlotCache, Pools, list[Upload]]] = []
         self.ticket: Any = None
         self.serving = self.split = self.fetching = False
         self.n_tokens = 0
-        # This step's fetches: (position, experts) and the uploads' CUDA events.
-        self.marked: list[tuple[int, np.ndarray]] = []
-        self.fetch_spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        # The fetch rule's choices this step, summed over the layers: experts fetched and
-        # missed, expected upload and CPU seconds.
-        self.expected = np.zeros(4)
         self.busy_ns = 0
         self.fetch: dict[str, dict[str, float]] = {}
         self.expert_nbytes = np.array([ex.expert_nbytes for ex in served], dtype=np.int64)
@@ -281,11 +296,10 @@ class HybridExperts(OffloadExperts):
 
     # -- the step -------------------------------------------------------------------------
 
-    def begin(self, n_tokens: int, graph: bool = False) -> bool:
+    def begin(self, n_tokens: int, graph: bool = False) -> None:
         """Before a step of ``n_tokens``: publishes finished uploads, decides split or stream
         and whether layers fetch part of their misses, and starts the CPU thread when
-        splitting. ``graph``: the step replays a captured graph unless it fetches. Returns
-        whether the step may replay a graph (not when it fetches)."""
+        splitting. ``graph``: the step replays a captured graph (it then always splits)."""
         t0 = time.perf_counter()
         self._publish_uploads()
         self.bookkeeping_s += time.perf_counter() - t0
@@ -293,7 +307,12 @@ class HybridExperts(OffloadExperts):
         self.split, self.fetching = self._plan_step(n_tokens, graph)
         self.serving = n_tokens <= MAX_TOKENS and (self.split or bool(self.cpu_only))
         if not self.serving:
-            return True
+            return
+        if self.fetching:
+            # Fetches overwrite the staging buffers: they hold no streamed layer after this.
+            for buf in self.staging:
+                buf.layer, buf.pools = -1, None
+            self.fetch_stats.zero_()
         a = self.host.arrays
         self.block[STOP] = 0
         self.busy_ns = int(self.block[BUSY_NS])
@@ -308,7 +327,6 @@ class HybridExperts(OffloadExperts):
             MAX_TOKENS,
             self.top_k,
         )
-        return not self.fetching
 
     def end(self) -> None:
         """After a step (also one that raised): waits for the GPU and the CPU thread, raises
@@ -326,10 +344,8 @@ class HybridExperts(OffloadExperts):
             self._finish(ticket)
         finally:
             t0 = time.perf_counter()
-            for pos, experts in self.marked:  # the CPU thread is done with the table
-                self.resident[pos, experts] = -1
-            self.marked, self.fetch_spans = [], []
-            self.expected[:] = 0
+            if self.fetching:  # the CPU thread is done with the table
+                self.resident[self.resident == FETCHED] = -1
             for cache, pools, ups in plan:  # the pools are idle now, even after a failure
                 self._evict(cache, pools, ups)
             self.bookkeeping_s += time.perf_counter() - t0
@@ -362,7 +378,8 @@ class HybridExperts(OffloadExperts):
         if not self.serving:
             return self._cpu_direct(ex, x, ids, weights)
         t, pos = ids.shape[0], self.handoff_pos[ex.index]
-        fetch = self._choose_fetch(ex, pos, ids) if pooled and self.fetching else None
+        fetch = self.fetching and ex.index in self.sources
+        staged = self._start_fetch(ex, pos, ids, weights) if fetch else None
         v = self.views
         host = (v["x"][:t], v["ids"][pos, :t], v["weights"][pos, :t])
         cache = self.of_layer[ex.index][0] if pooled else None
@@ -383,89 +400,63 @@ class HybridExperts(OffloadExperts):
             out = gpu.moe_layer(*pools, x, slots, w, act=ex.layer.act, check_ids=False)
         else:
             out = torch.zeros_like(x)
-        if fetch is not None:
-            self._run_fetched(ex, x, weights, out, *fetch)
+        if staged is not None:
+            staging, f_slots, f_weights = staged
+            torch.cuda.current_stream(self.device).wait_stream(self.fetch_stream)
+            gpu.moe_layer(
+                *staging,
+                x,
+                f_slots,
+                f_weights,
+                act=ex.layer.act,
+                out=out,
+                accumulate=True,
+                check_ids=False,
+            )
         gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
 
-    def _choose_fetch(
-        self, ex: ExpertLayer, pos: int, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, np.ndarray] | None:
-        """Which of the layer's missed experts to upload, marked in the host's table before
-        the layer's request (the CPU skips them). Reads the routes back: the layers before
-        are then done on both sides. Returns each route's staging slot (on the device) and
-        the experts (sorted), or None when nothing is fetched."""
-        host_ids = ids.cpu().numpy()
-        row, n_exp = self.resident[pos], ex.n_experts
-        flat = host_ids.ravel()
-        counts = np.bincount(flat[row[flat] < 0], minlength=n_exp)
-        missed = np.flatnonzero(counts)
-        choice = choose_fetch(
-            missed,
-            counts[missed],
-            ex.expert_nbytes,
-            self.links[ex.index],
+    def _start_fetch(
+        self, ex: ExpertLayer, pos: int, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[Pools, torch.Tensor, torch.Tensor]:
+        """The layer's fetch, before its request: the device's choice (marking the fetched
+        experts in the host's table, so the CPU skips them), then their copies into a
+        staging buffer on the fetch stream while the slot pool's kernels run. Returns the
+        staging pools and each route's slot and weight there: the fetched experts' slots
+        from 0, the ``top_k`` zeroed slots at the end for every other route (weight 0), so
+        a token's slots stay distinct. The stream forks after the plan, so the copies also
+        follow every earlier layer's use of the same buffer."""
+        n_exp, k = ex.n_experts, self.top_k
+        base = n_exp - k
+        links = self.links[ex.index]
+        slots, f_weights = gpu.fetch_plan(
+            ids,
+            weights,
+            self.resident_dev[pos],
+            self.resident[pos],
+            self.fetched_dev[pos],
+            self.fetch_stats[pos],
+            max_fetch=base,
+            dummy_base=base,
+            expert_bytes=ex.expert_nbytes,
+            links=(links.cpu, links.pcie, links.gpu, links.cpu_with_pcie, links.pcie_with_cpu),
+            overhead_s=FETCH_OVERHEAD_S,
             share=self.fetch_share,
-            max_fetch=n_exp - self.top_k,  # staging holds n_experts slots, top_k zeroed
-            price_routes=self.n_tokens > MAX_SLOT_TOKENS,
+            price_routes=ids.shape[0] > MAX_SLOT_TOKENS,
         )
-        self.expected += (choice.n_fetch, len(missed), choice.upload_s, choice.cpu_s)
-        if not choice.n_fetch:
-            return None
-        fetched = np.sort(choice.fetched)
-        row[fetched] = FETCHED
-        self.marked.append((pos, fetched))
-        # Each route's staging slot: the fetched experts' in order, then the zeroed ones
-        # (copied while the stream is idle: a copy from pageable memory synchronizes).
-        n, k = len(fetched), self.top_k
-        slot_of = np.full(n_exp, -1, dtype=np.int32)
-        slot_of[fetched] = np.arange(n, dtype=np.int32)
-        slots = slot_of[host_ids]
-        staged = np.where(slots >= 0, slots, n + np.arange(k, dtype=np.int32))
-        return torch.from_numpy(staged).to(self.device), fetched
-
-    def _run_fetched(
-        self,
-        ex: ExpertLayer,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        out: torch.Tensor,
-        slots: torch.Tensor,
-        fetched: np.ndarray,
-    ) -> None:
-        """Copies the fetched experts into a staging buffer on the fetch stream (the slot
-        pool's kernels run meanwhile) and adds their routes into ``out`` once they are in;
-        the buffer's ``top_k`` slots after them are zeroed and take every other route at
-        weight 0, so a token's slots stay distinct and the launch shape is the pool's."""
-        n, k = len(fetched), self.top_k
-        buf = self.staging[self.position[ex.index] % 2]
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.fetch_stream.wait_event(buf.free)
+        pools = self.staged[(ex.index, self.position[ex.index] % len(self.staging))]
+        self.fetch_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.fetch_stream):
-            staged = _pools(ex, n + k, self.device, buf.memory)
-            for p in staged:
-                p.tensor[n * p.matrix_nbytes : (n + k) * p.matrix_nbytes].zero_()
-            start.record()
-            ups = [Upload(ex.index, int(e), i, None) for i, e in enumerate(fetched)]
-            self._upload(staged, ups, non_blocking=self.pinned)
-            done.record()
-            buf.ready.record(self.fetch_stream)
-        buf.layer, buf.pools = -1, None  # not a streamed layer any more
-        self.fetch_spans.append((start, done))
-        f_weights = torch.where(slots < n, weights, torch.zeros_like(weights))
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(buf.ready)
-        gpu.moe_layer(
-            *staged,
-            x,
-            slots,
-            f_weights,
-            act=ex.layer.act,
-            out=out,
-            accumulate=True,
-            check_ids=False,
-        )
-        buf.free.record(stream)
+            gpu.fetch_gather(
+                pools,
+                self.sources[ex.index],
+                self.fetched_dev[pos],
+                self.fetch_stats[pos],
+                top_k=k,
+                max_fetch=base,
+                dummy_base=base,
+            )
+        return pools, slots, f_weights
 
     def _cpu_direct(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -480,38 +471,36 @@ class HybridExperts(OffloadExperts):
 
     def _plan_step(self, n_tokens: int, graph: bool = False) -> tuple[bool, bool]:
         """Whether a step of ``n_tokens`` splits (else the layers stream over PCIe) and
-        whether its layers fetch part of their misses. Up to MAX_SLOT_TOKENS tokens a step
-        splits; above, when the fetch rule on each layer's expected misses (uniform routing
-        at the hit rate so far, each CPU route priced as one expert read, which over-prices
-        the CPU on long prompts) expects the split to take less than streaming the layers.
-        One-token steps never fetch; up to MAX_SLOT_TOKENS a forced share above 0 always
-        does, and a step that would replay a ``graph`` does not otherwise (a fetching step
-        runs eagerly: on the H200 a 4-token verify step of the Qwen3.5-35B-A3B preset took
-        96 ms eagerly against 14 ms for a replayed one-token step, while its misses cost the
-        CPU about 25 ms); else :func:`freetoken.engine.fetch.expect_step` decides."""
+        whether its layers that can fetch run the device's fetch choice. Up to
+        MAX_SLOT_TOKENS tokens, and any step that would replay a ``graph`` (decode and
+        verify steps: a captured step must find the same split each replay), a step splits;
+        above, when the fetch rule on each layer's expected misses (uniform routing at the
+        hit rate so far, each CPU route priced as one expert read, which over-prices the
+        CPU on long prompts) expects the split to take less than streaming the layers.
+        One-token steps never fetch; split steps of several tokens do unless the forced
+        share is 0 (each layer's choice, nothing among them, is the device's)."""
         if not self.order or n_tokens > MAX_TOKENS:
             return False, False  # no slots to split over, or too long for the hand-off
         if n_tokens == 1:
             return True, False
+        fetch = bool(self.sources) and (self.fetch_share is None or self.fetch_share > 0)
         small = n_tokens <= MAX_SLOT_TOKENS
-        if small and self.fetch_share is not None:
-            return True, self.fetch_share > 0
-        if small and graph:
-            return True, False
+        if small or graph:
+            return True, fetch
         kinds: dict[tuple[Links, int], int] = {}
         for li in self.order:
             key = (self.links[li], self.layers[li].expert_nbytes)
             kinds[key] = kinds.get(key, 0) + 1
-        split_s, stream_s, fetch = expect_step(
+        split_s, stream_s, _ = expect_step(
             n_tokens,
             self._hit_rate(),
             self.resident.shape[1],
             self.top_k,
             kinds,
             share=self.fetch_share,
-            price_routes=not small,
+            price_routes=True,
         )
-        split = small or split_s < stream_s
+        split = split_s < stream_s
         return split, split and fetch
 
     def _reset(self) -> None:
@@ -547,7 +536,8 @@ class HybridExperts(OffloadExperts):
     def _count_fetch(
         self, t: int, ids: np.ndarray, fetched: np.ndarray, on_cpu: np.ndarray
     ) -> None:
-        """Adds a split step's routes and bytes on each side, and both sides' times, to the
+        """Adds a split step's routes and bytes on each side, and both sides' times (the
+        uploads' on the GPU's timer, from each layer's first copy to its last), to the
         counters of its size (and logs them with ``-v``)."""
         n, e = ids.shape[0], self.resident.shape[1]
         flat = ids + np.arange(n)[:, None] * e
@@ -556,12 +546,21 @@ class HybridExperts(OffloadExperts):
             distinct = (np.bincount(flat[mask], minlength=n * e).reshape(n, e) > 0).sum(axis=1)
             return int(distinct @ self.expert_nbytes)
 
-        upload_s = sum(a.elapsed_time(b) for a, b in self.fetch_spans) / 1e3
+        stats = (
+            self.fetch_stats.cpu().numpy()
+            if self.fetching
+            else np.zeros((n, gpu.FETCH_STATS), dtype=np.int64)
+        )
+        ran = stats[:, gpu.FETCH_END_NS] > 0
+        spans = stats[ran, gpu.FETCH_END_NS] - stats[ran, gpu.FETCH_START_NS]
+        upload_s = float(spans.sum()) / 1e9
+        uploaded = bytes_of(fetched)
+        self.uploaded_bytes += uploaded
         step = {
             "steps": 1,
             "uploaded_routes": int(fetched.sum()),
             "cpu_routes": int(on_cpu.sum()),
-            "uploaded_bytes": bytes_of(fetched),
+            "uploaded_bytes": uploaded,
             "cpu_bytes": bytes_of(on_cpu),
             "upload_s": upload_s,
             "cpu_s": (int(self.block[BUSY_NS]) - self.busy_ns) / 1e9,
@@ -570,7 +569,8 @@ class HybridExperts(OffloadExperts):
         for f, v in step.items():
             c[f] += v
         if self.fetching and log.isEnabledFor(logging.DEBUG):
-            n_fetched, missed, want_up, want_cpu = self.expected.tolist()
+            n_fetched, missed = (int(x) for x in stats[:, [gpu.FETCH_N, gpu.FETCH_MISSED]].sum(0))
+            want_up, want_cpu = stats[:, [gpu.FETCH_UPLOAD_NS, gpu.FETCH_CPU_NS]].sum(0) / 1e9
             log.debug(
                 "hybrid step of %d tokens: fetched %d of %d missed experts (share %.2f, %s); "
                 "%d routes uploaded (%.1f MiB, %.2f ms, expected %.2f), %d on the CPU "

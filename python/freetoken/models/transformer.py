@@ -46,10 +46,9 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class StepHook(Protocol):
     """Work around each forward step (see ``Transformer.step_hook``)."""
 
-    def begin(self, n_tokens: int, graph: bool = False) -> bool:
-        """Before a step of ``n_tokens`` (``graph``: one a captured graph can replay);
-        returns whether the step may replay a captured graph (False: it reads back to the
-        host)."""
+    def begin(self, n_tokens: int, graph: bool = False) -> None:
+        """Before a step of ``n_tokens`` (``graph``: one a captured graph replays; what the
+        hook adds to it must then be the same at every replay)."""
         ...
 
     def end(self) -> None: ...
@@ -456,9 +455,10 @@ class Transformer:
         every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
         graph = self._graphable(spans, every)
         hook = self.step_hook
-        capturable = hook.begin(len(flat), graph) if hook is not None else True
+        if hook is not None:
+            hook.begin(len(flat), graph)
         try:
-            if graph and capturable:
+            if graph:
                 assert self.graphs is not None
                 rows = [tokens for tokens, _ in seqs]
                 out = self._replay(self.graphs, rows, spans, every, hidden)

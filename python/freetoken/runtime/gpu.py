@@ -38,6 +38,8 @@ __all__ = [
     "cpu_only_notice",
     "device_info",
     "expert_matmul",
+    "fetch_gather",
+    "fetch_plan",
     "gdn_decode",
     "gdn_decode_fits",
     "handoff_routes",
@@ -439,6 +441,106 @@ def handoff_routes(
         host,
     )
     return slots, gpu_weights
+
+
+#: The words of a fetch plan's statistics (``freetoken_cuda.h``, ``FT_CUDA_FETCH_*``).
+FETCH_STATS = _core.CUDA_FETCH_STATS
+FETCH_N, FETCH_MISSED, FETCH_ROUTES, FETCH_MISSED_ROUTES = 0, 1, 2, 3
+FETCH_START_NS, FETCH_END_NS, FETCH_UPLOAD_NS, FETCH_CPU_NS = 4, 5, 6, 7
+
+
+def fetch_plan(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    resident: torch.Tensor,
+    resident_host: np.ndarray,
+    fetched: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    max_fetch: int,
+    dummy_base: int,
+    expert_bytes: int,
+    links: tuple[float, float, float, float, float],
+    overhead_s: float,
+    share: float | None,
+    price_routes: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's fetch choice on the device, on the current stream (``freetoken_cuda.h``,
+    "fetch share"; :mod:`freetoken.engine.fetch` is the same rule on the host): which of the
+    experts that ``resident`` does not place to upload, listed in ``fetched`` and marked
+    fetched in ``resident_host`` (the host thread's int32 row in mapped page-locked memory),
+    the counts in ``stats`` (int64 ``[FETCH_STATS]``). ``links`` is the layer kind's GB/s
+    (cpu, pcie, gpu, cpu with pcie, pcie with cpu). Returns each route's staging slot (its
+    expert's place in the list, else ``dummy_base + j``) and its weight there."""
+    dev = ids.device
+    t, k = ids.shape
+    n_experts = resident.numel()
+    _check(ids, "ids", torch.int32, (t, k), dev)
+    _check(weights, "weights", torch.float32, (t, k), dev)
+    _check(resident, "resident", torch.int32, (n_experts,), dev)
+    _check(fetched, "fetched", torch.int32, (n_experts,), dev)
+    _check(stats, "stats", torch.int64, (FETCH_STATS,), dev)
+    slots = torch.empty((t, k), dtype=torch.int32, device=dev)
+    fetch_weights = torch.empty((t, k), dtype=torch.float32, device=dev)
+    _core.cuda_fetch_plan(
+        _device_index(ids),
+        _stream(dev),
+        (t, k, n_experts, max_fetch, dummy_base),
+        price_routes,
+        (float(expert_bytes), overhead_s, share),
+        links,
+        (
+            ids.data_ptr(),
+            weights.data_ptr(),
+            resident.data_ptr(),
+            fetched.data_ptr(),
+            slots.data_ptr(),
+            fetch_weights.data_ptr(),
+            stats.data_ptr(),
+        ),
+        resident_host,
+    )
+    return slots, fetch_weights
+
+
+def fetch_gather(
+    pools: Sequence[ExpertPool],
+    sources: Sequence[tuple[int, int]],
+    fetched: torch.Tensor,
+    stats: torch.Tensor,
+    *,
+    top_k: int,
+    max_fetch: int,
+    dummy_base: int,
+) -> None:
+    """Copies a :func:`fetch_plan`'s experts into slots ``0..`` of ``pools`` (one per matrix
+    kind) and zeroes their ``top_k`` slots from ``dummy_base``, on the current stream:
+    expert ``e`` of kind ``i`` is ``pool.matrix_nbytes`` bytes at host address
+    ``sources[i][0] + e * sources[i][1]`` in registered (mapped) page-locked memory."""
+    dev = fetched.device
+    n_experts = fetched.numel()
+    _check(fetched, "fetched", torch.int32, (n_experts,), dev)
+    _check(stats, "stats", torch.int64, (FETCH_STATS,), dev)
+    if len(pools) != len(sources):
+        raise InvalidInputError(f"{len(pools)} pools for {len(sources)} matrix kinds")
+    for pool in pools:
+        if pool.device != dev or pool.n_slots < dummy_base + top_k:
+            raise ShapeError(
+                f"a staging pool of {pool.n_slots} slots on {pool.device}: {dummy_base + top_k} "
+                f"slots on {dev} needed"
+            )
+    kinds = [
+        (addr, stride, pool.matrix_nbytes, pool.tensor.data_ptr())
+        for pool, (addr, stride) in zip(pools, sources, strict=True)
+    ]
+    _core.cuda_fetch_gather(
+        _device_index(fetched),
+        _stream(dev),
+        (n_experts, top_k, max_fetch, dummy_base),
+        fetched.data_ptr(),
+        stats.data_ptr(),
+        kinds,
+    )
 
 
 def norm_rope(

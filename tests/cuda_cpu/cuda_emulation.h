@@ -1,12 +1,16 @@
-// The few CUDA constructs the Gated DeltaNet kernels use, on the CPU, so that g++ compiles
-// cuda/src/gdn_decode.cuh as it is: a launch runs one std::thread per CUDA thread of a block,
-// the blocks one after another (so function-static arrays stand in for shared memory);
-// __syncthreads is a barrier of the block's threads, a warp shuffle an exchange through
-// memory between two barriers of the warp's 32 threads.
+// The few CUDA constructs the Gated DeltaNet and fetch kernels use, on the CPU, so that g++
+// compiles cuda/src/gdn_decode.cuh and fetch.cuh as they are: a launch runs one std::thread
+// per CUDA thread of a block, the blocks one after another (so function-static arrays stand
+// in for shared memory); __syncthreads is a barrier of the block's threads, a warp shuffle an
+// exchange through memory between two barriers of the warp's 32 threads, an atomic a
+// std::atomic_ref, the round-to-nearest intrinsics the plain operations (g++ contracts no
+// multiply-add here: x86-64 without -mfma).
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -26,6 +30,35 @@ inline dim3 blockDim, gridDim;
 #define __launch_bounds__(n)
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+struct alignas(16) uint4 {
+    uint32_t x, y, z, w;
+};
+struct alignas(8) uint2 {
+    uint32_t x, y;
+};
+
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+
+inline int atomicAdd(int *p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) {
+    std::atomic_ref<unsigned long long> r(*p);
+    unsigned long long old = r.load();
+    while (v < old && !r.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+inline unsigned long long atomicMax(unsigned long long *p, unsigned long long v) {
+    std::atomic_ref<unsigned long long> r(*p);
+    unsigned long long old = r.load();
+    while (v > old && !r.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 namespace emu {
 inline std::unique_ptr<std::barrier<>> block_barrier;
