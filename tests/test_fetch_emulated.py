@@ -12,12 +12,10 @@ that allow 16-, 8- and 1-byte accesses, nothing fetched."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
+from emulation import build_emulator
 from fetch_cases import (
     CPU_NS,
     END,
@@ -39,21 +37,10 @@ from fetch_cases import (
 )
 from freetoken.engine.fetch import choose_fetch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ (C++20)")
-    lib = tmp_path_factory.mktemp("fetch-emulated") / "fetch_emulate.so"
-    cmd = [gxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]
-    cmd += ["-shared", "-fPIC", "-pthread", f"-I{ROOT / 'cuda/include'}", f"-I{ROOT / 'cuda/src'}"]
-    cmd += [str(ROOT / "tests/cuda_cpu/fetch_emulate.cpp"), "-o", str(lib)]
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    return ctypes.CDLL(str(lib))
+    return build_emulator("fetch_emulate.cpp", tmp_path_factory)
 
 
 def _ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -8,17 +8,14 @@ layout, heads of 128 and of 48 (a partial column tile) and a conv of 4 and of 3 
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from emulation import build_emulator  # noqa: E402
 from gdn_cases import Case, Inputs, Layer, make_inputs, make_layer, reference_step  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 N_STEPS = 3
 CASES = {
     "tiled": Case(2, 2, 4, 128, 4, grouped=False, fused_ba=False),
@@ -28,16 +25,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++ (C++20)")
-    lib = tmp_path_factory.mktemp("gdn-emulated") / "gdn_emulate.so"
-    cmd = [gxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]
-    cmd += ["-shared", "-fPIC", "-pthread", f"-I{ROOT / 'cuda/include'}", f"-I{ROOT / 'cuda/src'}"]
-    cmd += [str(ROOT / "tests/cuda_cpu/gdn_emulate.cpp"), "-o", str(lib)]
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    return ctypes.CDLL(str(lib))
+    return build_emulator("gdn_emulate.cpp", tmp_path_factory)
 
 
 def _run(lib: ctypes.CDLL, layer: Layer, inputs: Inputs) -> torch.Tensor:
