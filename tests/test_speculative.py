@@ -328,3 +328,29 @@ def test_cli_generate_and_bench_report_speculation(
     sp = out["spec"]
     assert sp["drafted"] > 0 and 0 < sp["accepted"] < sp["drafted"]
     assert sorted(sp["step_ms"]) == ["1", "2", "3", "4"] or sorted(sp["step_ms"]) == [1, 2, 3, 4]
+
+
+def test_out_of_vocabulary_ids_are_refused(files: dict[str, Path]) -> None:
+    """A token id outside the vocabulary is an InvalidInputError naming it, from a trunk step
+    and from an MTP head's, and the caches keep nothing of it: the next step gives what it
+    gives on fresh caches (the recurrent state included)."""
+    from freetoken.models.mtp import MtpHead
+
+    llm = LLM(files["qwen35moe-mtp"], n_ctx=64)
+    model = llm.model
+    bad = model.embed.vocab
+    cache = model.new_cache(64)
+    with pytest.raises(InvalidInputError, match=f"token id {bad} is outside the vocabulary"):
+        model.forward([1, 450, bad], cache)
+    assert cache.length == 0
+    torch.testing.assert_close(
+        model.forward([1, 450], cache), model.forward([1, 450], model.new_cache(64)), rtol=0, atol=0
+    )
+    head = MtpHead(model, llm.gguf)
+    hidden = torch.zeros(1, model.cfg.hidden)
+    head_cache = head.new_cache(64)
+    with pytest.raises(InvalidInputError, match=f"token id {bad} is outside the vocabulary"):
+        head.forward([bad], hidden, head_cache)
+    with pytest.raises(InvalidInputError, match=f"token id {bad} is outside the vocabulary"):
+        head.advance([bad], hidden, head_cache)
+    assert head_cache.length == 0

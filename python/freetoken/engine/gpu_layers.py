@@ -195,6 +195,7 @@ class GpuEmbedding:
                 dequantize(raw, emb.qtype, (n, emb.hidden))
             )
 
+    check = Embedding.check
     lookup = Embedding.lookup
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -131,13 +131,17 @@ class Embedding:
         self.hidden = hidden
         self.vocab = vocab
 
-    def lookup(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Checked token ids as an int64 tensor on the embedding's device."""
+    def check(self, tokens: Sequence[int]) -> None:
+        """An InvalidInputError naming the first id outside the vocabulary."""
         for t in tokens:
             if not 0 <= t < self.vocab:
                 raise InvalidInputError(
                     f"token id {t} is outside the vocabulary (0..{self.vocab - 1})"
                 )
+
+    def lookup(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Checked token ids as an int64 tensor on the embedding's device."""
+        self.check(tokens)
         return torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class MtpHead:
         CUDA graph where placement made :attr:`graphs`; both results are then the graph's
         outputs, valid until the head's next step."""
         n = len(tokens)
-        ids = self.embed.lookup(tokens)  # checks the ids
+        self.embed.check(tokens)
         if self.graphs is not None and n <= MAX_SPAN:
             assert self.paired is not None
             self.paired[:n].copy_(hidden)
@@ -88,7 +88,7 @@ class MtpHead:
             assert out is not None and out[1] is not None  # one cache: captured at once
             return out[0], out[1]
         step = self._step(cache, n)
-        logits = self._pass(ids, hidden.to(self.device), step, logits=True)
+        logits = self._pass(self.embed.lookup(tokens), hidden.to(self.device), step, logits=True)
         cache.commit(n)
         assert logits is not None and step.hidden is not None
         return logits, step.hidden

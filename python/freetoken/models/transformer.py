@@ -451,7 +451,7 @@ class Transformer:
                 raise InvalidInputError("a sequence in the batch has no tokens")
             spans.append(Span(cache.reserve(len(tokens)), len(tokens), cache))
         flat = [t for tokens, _ in seqs for t in tokens]
-        ids = self.embed.lookup(flat)
+        self.embed.check(flat)
         every = [all_logits] * len(spans) if isinstance(all_logits, bool) else list(all_logits)
         graph = self._graphable(spans, every)
         hook = self.step_hook
@@ -464,7 +464,8 @@ class Transformer:
                 out = self._replay(self.graphs, rows, spans, every, hidden)
                 if out is not None:
                     return out
-            return self._logits(ids, spans, every, hidden)
+            # Ids on the device only for an eager step (a replay copies its own).
+            return self._logits(self.embed.lookup(flat), spans, every, hidden)
         finally:
             if hook is not None:
                 hook.end()
