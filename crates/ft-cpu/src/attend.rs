@@ -5,7 +5,8 @@
 //!
 //! RoPE rounds as the torch path does (`x cos` and `x' sin` rounded, then added); the norm
 //! sums its squares in f64 as ggml's `rms_norm` does; the dot products sum in eight f32 lanes
-//! (under AVX2 four chains of them, with fused multiply-adds).
+//! (under AVX2 four chains of them, with fused multiply-adds); under AVX2 the softmax's
+//! exponentials run in eight lanes too (`simd::exp8`, within a few ulp of `exp`).
 
 use crate::isa::{cpu_isa, CpuIsa};
 use crate::pool::ThreadPool;
@@ -163,7 +164,7 @@ impl OneTokenAttention<'_> {
                 return;
             }
             let _ = avx2;
-            let part = self.part(&qs, keys, values, dot, axpy);
+            let part = self.part(&qs, keys, values, dot, exp_sum, axpy);
             *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
         };
         if n_tasks == 1 {
@@ -226,6 +227,7 @@ impl OneTokenAttention<'_> {
             keys,
             values,
             |x, y| simd::dot(x, y),
+            |row, max| simd::exp_sum(row, max),
             |o, w, v| simd::axpy(o, w, v),
         )
     }
@@ -233,7 +235,8 @@ impl OneTokenAttention<'_> {
     /// The scaled queries `qs` over a run of positions' `keys` and `values`. The rows are
     /// read once, in order: each position's keys (then values) serve every query head of
     /// their key head at once, rather than the rows once per head, which a long context
-    /// makes a read from memory each time. `dot` and `axpy` are the instruction set's.
+    /// makes a read from memory each time. `dot`, `exp_sum` and `axpy` are the instruction
+    /// set's.
     #[inline(always)]
     fn part(
         &self,
@@ -241,6 +244,7 @@ impl OneTokenAttention<'_> {
         keys: &[f32],
         values: &[f32],
         dot: impl Fn(&[f32], &[f32]) -> f32,
+        exp_sum: impl Fn(&mut [f32], f32) -> f32,
         axpy: impl Fn(&mut [f32], f32, &[f32]),
     ) -> Part {
         let (d, dv, hkv) = (self.head_dim, self.head_dim_v, self.kv_heads);
@@ -256,10 +260,7 @@ impl OneTokenAttention<'_> {
         let (mut max, mut sum) = (vec![0f32; self.heads], vec![0f32; self.heads]);
         for (h, row) in p.chunks_exact_mut(n).enumerate() {
             max[h] = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            for p in row.iter_mut() {
-                *p = (*p - max[h]).exp();
-                sum[h] += *p;
-            }
+            sum[h] = exp_sum(row, max[h]);
         }
         let mut acc = vec![0f32; self.heads * dv];
         for (j, row) in values.chunks_exact(hkv * dv).enumerate() {
@@ -304,6 +305,17 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
     ((a + e) + (c + g)) + ((b + f) + (d + h)) + tail
 }
 
+/// `row[i] = exp(row[i] - max)`; returns their sum.
+#[inline(always)]
+fn exp_sum(row: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0.0;
+    for p in row.iter_mut() {
+        *p = (*p - max).exp();
+        sum += *p;
+    }
+    sum
+}
+
 /// `o += w y`.
 #[inline(always)]
 fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
@@ -344,6 +356,75 @@ mod simd {
         let h = _mm_add_ss(h, _mm_movehdup_ps(h));
         let tail: f32 = x[i..n].iter().zip(&y[i..n]).map(|(a, b)| a * b).sum();
         _mm_cvtss_f32(h) + tail
+    }
+
+    /// `exp` of eight lanes: `2^n e^r` with `n = round(x log2 e)` and `r = x - n ln 2` (ln 2 in
+    /// two parts, the first exact in few bits, so that `r` loses nothing), `e^r` by its Taylor
+    /// polynomial to degree 7 (its remainder under 5e-9 for |r| <= ln 2 / 2; the result within
+    /// a few ulp), `2^n` written into the exponent bits. Below -87.3 (under f32's normal
+    /// range) the result is 0; NaN stays NaN. Arguments up to 88 (2^n must stay finite).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp8(x: __m256) -> __m256 {
+        const TAYLOR: [f32; 8] = [
+            1.0,
+            1.0,
+            1.0 / 2.0,
+            1.0 / 6.0,
+            1.0 / 24.0,
+            1.0 / 120.0,
+            1.0 / 720.0,
+            1.0 / 5040.0,
+        ];
+        let x = _mm256_min_ps(_mm256_set1_ps(88.0), x); // NaN passes (the second operand)
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(TAYLOR[7]);
+        for c in TAYLOR[..7].iter().rev() {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
+        _mm256_andnot_ps(under, y)
+    }
+
+    /// `row[i] = exp(row[i] - max)` ([`exp8`] eight at a time, the last few padded with
+    /// -inf, so that every value takes the same function); returns their sum.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp_sum(row: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: the chunk holds 8 values.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+                _mm256_storeu_ps(c.as_mut_ptr(), e);
+                acc = _mm256_add_ps(acc, e);
+            }
+        }
+        let tail = chunks.into_remainder();
+        if !tail.is_empty() {
+            let mut pad = [f32::NEG_INFINITY; 8];
+            pad[..tail.len()].copy_from_slice(tail);
+            // SAFETY: `pad` holds 8 values.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pad.as_ptr()), m));
+                _mm256_storeu_ps(pad.as_mut_ptr(), e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            tail.copy_from_slice(&pad[..tail.len()]);
+        }
+        let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        _mm_cvtss_f32(h)
     }
 
     /// `o += w y`; the lengths are equal.
@@ -532,6 +613,55 @@ mod tests {
                 assert!((f64::from(*o) - w).abs() < 1e-5, "{o} against {w}");
             }
             assert_eq!(&vals[pos * hkv * dv..], &v[..]);
+        }
+    }
+
+    /// The AVX2 exponential against f64's over the softmax's whole range (arguments at most 0
+    /// down to the cutoff and below), a few positive ones, and the special values; and the
+    /// sum it returns. Hosts without AVX2 have nothing to check.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_exp_matches_float64() {
+        if CpuIsa::Avx2.missing().is_some() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..20011).map(|i| -100.0 * i as f32 / 20011.0).collect();
+        xs.extend([
+            -0.0, -1e-30, -1e-7, -87.2, -87.29, -87.31, -88.0, 0.5, 3.5, 88.0,
+        ]);
+        xs.extend([f32::NEG_INFINITY, f32::MIN]);
+        let mut row = xs.clone();
+        // SAFETY: the host has AVX2 and FMA (checked above).
+        let sum = unsafe { simd::exp_sum(&mut row, 0.0) };
+        let mut want_sum = 0f64;
+        for (x, y) in xs.iter().zip(&row) {
+            if *x < -87.3 {
+                assert_eq!(*y, 0.0, "exp({x})");
+                continue;
+            }
+            let want = f64::from(*x).exp();
+            want_sum += want;
+            let err = (f64::from(*y) - want).abs() / want;
+            assert!(
+                err < 4e-7,
+                "exp({x}) = {y}, {want} in f64: relative error {err:e}"
+            );
+        }
+        assert!(
+            (f64::from(sum) - want_sum).abs() / want_sum < 1e-5,
+            "{sum} against {want_sum}"
+        );
+        // NaN stays NaN; the arguments are shifted by the maximum first.
+        let mut special = [f32::NAN, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        // SAFETY: as above.
+        unsafe { simd::exp_sum(&mut special, 8.0) };
+        assert!(special[0].is_nan());
+        for (i, y) in special[1..].iter().enumerate() {
+            let want = (i as f64 + 1.0 - 8.0).exp();
+            assert!(
+                (f64::from(*y) - want).abs() / want < 4e-7,
+                "{y} against {want}"
+            );
         }
     }
 
