@@ -158,7 +158,7 @@ impl OneTokenAttention<'_> {
             );
             #[cfg(target_arch = "x86_64")]
             if avx2 {
-                // SAFETY: the level in use runs on this host, so it has AVX2 and FMA.
+                // SAFETY: the level in use runs on this host, so it has AVX2, FMA and F16C.
                 let part = unsafe { self.part_avx2(&qs, keys, values) };
                 *parts[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
                 return;
@@ -219,7 +219,7 @@ impl OneTokenAttention<'_> {
     }
 
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn part_avx2(&self, qs: &[f32], keys: &[f32], values: &[f32]) -> Part {
         // The closures inherit this function's features.
         self.part(
@@ -326,10 +326,11 @@ fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
 /// waits on its own additions), fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use crate::kernels::hsum_float_8;
     use std::arch::x86_64::*;
 
     /// `x . y`; the lengths are equal.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dot(x: &[f32], y: &[f32]) -> f32 {
         let n = x.len().min(y.len());
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
@@ -351,11 +352,8 @@ mod simd {
             }
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        let h = _mm_add_ss(h, _mm_movehdup_ps(h));
         let tail: f32 = x[i..n].iter().zip(&y[i..n]).map(|(a, b)| a * b).sum();
-        _mm_cvtss_f32(h) + tail
+        hsum_float_8(s) + tail
     }
 
     /// `exp` of eight lanes: `2^n e^r` with `n = round(x log2 e)` and `r = x - n ln 2` (ln 2 in
@@ -363,7 +361,7 @@ mod simd {
     /// polynomial to degree 7 (its remainder under 5e-9 for |r| <= ln 2 / 2; the result within
     /// a few ulp), `2^n` written into the exponent bits. Below -87.3 (under f32's normal
     /// range) the result is 0; NaN stays NaN. Arguments up to 88 (2^n must stay finite).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn exp8(x: __m256) -> __m256 {
         const TAYLOR: [f32; 8] = [
             1.0,
@@ -396,39 +394,32 @@ mod simd {
 
     /// `row[i] = exp(row[i] - max)` ([`exp8`] eight at a time, the last few padded with
     /// -inf, so that every value takes the same function); returns their sum.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn exp_sum(row: &mut [f32], max: f32) -> f32 {
         let m = _mm256_set1_ps(max);
         let mut acc = _mm256_setzero_ps();
-        let mut chunks = row.chunks_exact_mut(8);
-        for c in &mut chunks {
-            // SAFETY: the chunk holds 8 values.
+        let mut eight = |c: &mut [f32]| {
+            // SAFETY: every caller passes 8 values.
             unsafe {
                 let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
                 _mm256_storeu_ps(c.as_mut_ptr(), e);
                 acc = _mm256_add_ps(acc, e);
             }
-        }
+        };
+        let mut chunks = row.chunks_exact_mut(8);
+        chunks.by_ref().for_each(&mut eight);
         let tail = chunks.into_remainder();
         if !tail.is_empty() {
             let mut pad = [f32::NEG_INFINITY; 8];
             pad[..tail.len()].copy_from_slice(tail);
-            // SAFETY: `pad` holds 8 values.
-            unsafe {
-                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pad.as_ptr()), m));
-                _mm256_storeu_ps(pad.as_mut_ptr(), e);
-                acc = _mm256_add_ps(acc, e);
-            }
+            eight(&mut pad);
             tail.copy_from_slice(&pad[..tail.len()]);
         }
-        let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        _mm_cvtss_f32(h)
+        hsum_float_8(acc)
     }
 
     /// `o += w y`; the lengths are equal.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
         let n = o.len().min(y.len());
         let (op, yp) = (o.as_mut_ptr(), y.as_ptr());
@@ -631,7 +622,7 @@ mod tests {
         ]);
         xs.extend([f32::NEG_INFINITY, f32::MIN]);
         let mut row = xs.clone();
-        // SAFETY: the host has AVX2 and FMA (checked above).
+        // SAFETY: the host has AVX2, FMA and F16C (checked above).
         let sum = unsafe { simd::exp_sum(&mut row, 0.0) };
         let mut want_sum = 0f64;
         for (x, y) in xs.iter().zip(&row) {

@@ -28,6 +28,8 @@ use freetoken_ggml::{GgmlType, Result, VecDot};
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::hsum_float_8;
+#[cfg(target_arch = "x86_64")]
 mod avx2_gemm;
 #[cfg(target_arch = "x86_64")]
 mod avx2_repack;

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repetitions < 1 or args.n_prompt < 0 or args.n_gen < 0 or args.n_depth < 0:
         raise InvalidInputError("-r must be at least 1 and -p, -n, -d non-negative")
-    from freetoken.llm import load_llm
+    from freetoken.llm import PROMPT_CHUNK, load_llm
 
     spec = spec_options.from_args(args)
     # Speculation drafts past the last token: room for one more verify step.
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
     context = [rng.randrange(vocab) for _ in range(depth)]
 
     def fill(tokens: list[int], cache: Any) -> None:
-        for i in range(0, len(tokens), 512):
-            llm.model.forward(tokens[i : i + 512], cache)
+        for i in range(0, len(tokens), PROMPT_CHUNK):
+            llm.model.forward(tokens[i : i + PROMPT_CHUNK], cache)
 
     def prompt_pass() -> float:
         tokens = [rng.randrange(vocab) for _ in range(args.n_prompt)]

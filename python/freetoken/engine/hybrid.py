@@ -546,14 +546,12 @@ class HybridExperts(OffloadExperts):
             distinct = (np.bincount(flat[mask], minlength=n * e).reshape(n, e) > 0).sum(axis=1)
             return int(distinct @ self.expert_nbytes)
 
-        stats = (
-            self.fetch_stats.cpu().numpy()
-            if self.fetching
-            else np.zeros((n, gpu.FETCH_STATS), dtype=np.int64)
-        )
-        ran = stats[:, gpu.FETCH_END_NS] > 0
-        spans = stats[ran, gpu.FETCH_END_NS] - stats[ran, gpu.FETCH_START_NS]
-        upload_s = float(spans.sum()) / 1e9
+        upload_s = 0.0
+        if self.fetching:
+            stats = self.fetch_stats.cpu().numpy()
+            ran = stats[:, gpu.FETCH_END_NS] > 0
+            spans = stats[ran, gpu.FETCH_END_NS] - stats[ran, gpu.FETCH_START_NS]
+            upload_s = float(spans.sum()) / 1e9
         uploaded = bytes_of(fetched)
         self.uploaded_bytes += uploaded
         step = {

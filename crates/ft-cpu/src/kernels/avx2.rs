@@ -220,7 +220,7 @@ pub(super) unsafe fn fp16_at(p: *const u8) -> f32 {
 /// ggml's `hsum_float_8`, in its order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn hsum_float_8(x: __m256) -> f32 {
+pub(crate) fn hsum_float_8(x: __m256) -> f32 {
     let mut r = _mm256_extractf128_ps::<1>(x);
     r = _mm_add_ps(r, _mm256_castps256_ps128(x));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
