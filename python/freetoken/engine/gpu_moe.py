@@ -15,13 +15,17 @@ Strategies (``--moe-strategy``):
 
 Layers the GPU kernels cannot serve (gpt-oss's clamped SwiGLU and expert biases, or types
 without MMVQ/MMQ) stay on the CPU expert executor.
+
+With the layers split over several GPUs each GPU's range has a :class:`PoolShare`: its own
+pools, planned within its share of the cache, beside the range's other weights; one expert
+object serves the shares of all ranges, each layer on its own device.
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -41,6 +45,7 @@ __all__ = [
     "HostExperts",
     "OffloadExperts",
     "PinnedExperts",
+    "PoolShare",
     "ResidentExperts",
     "gpu_servable",
     "pin_host_memory",
@@ -306,34 +311,51 @@ def _pools(
     return gate, up, down
 
 
+@dataclass(frozen=True)
+class PoolShare:
+    """One GPU's part of the expert pools: the layers it serves from slots and their
+    :class:`~freetoken.runtime.slots.CachePlan` (within that GPU's budget) on ``device``;
+    ``cpu_only`` its MoE layers without slots that hybrid's hand-off sends to the CPU."""
+
+    layers: Sequence[ExpertLayer]
+    plan: CachePlan
+    device: torch.device
+    cpu_only: Sequence[ExpertLayer] = ()
+
+
 class _PlannedPools:
-    """The slot pools of a :class:`~freetoken.runtime.slots.CachePlan`, each with its LRU
-    bookkeeping, seeded with the plan's residents; ``extra_slots`` zeroed slots follow each
-    pool's own (the bookkeeping never gives them out)."""
+    """The slot pools of each share's :class:`~freetoken.runtime.slots.CachePlan` on its
+    device, each with its LRU bookkeeping, seeded with the plan's residents; ``extra_slots``
+    zeroed slots follow each pool's own (the bookkeeping never gives them out). ``device``
+    is the first share's; ``device_of`` each layer's."""
 
     def __init__(
-        self,
-        layers: Sequence[ExpertLayer],
-        plan: CachePlan,
-        device: torch.device,
-        policy: str = "lru",
-        extra_slots: int = 0,
+        self, shares: Sequence[PoolShare], policy: str = "lru", extra_slots: int = 0
     ) -> None:
-        self.device = device
-        self.layers = {ex.index: ex for ex in layers}
+        self.device = shares[0].device
+        #: The shares' devices, each once, in layer order.
+        self.devices = list(dict.fromkeys(sh.device for sh in shares))
+        self.layers = {ex.index: ex for sh in shares for ex in sh.layers}
+        self.device_of = {ex.index: sh.device for sh in shares for ex in sh.layers}
         self.of_layer: dict[int, tuple[SlotCache, Pools]] = {}
         self.uploaded_bytes = 0
-        for pp in plan.pools:
-            cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
-            pools = _pools(self.layers[pp.layers[0]], pp.n_slots + extra_slots, device)
-            for li in pp.layers:
-                self.of_layer[li] = (cache, pools)
-            self._upload(pools, cache.seed(list(pp.residents)), non_blocking=False)
+        for sh in shares:
+            for pp in sh.plan.pools:
+                cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
+                pools = _pools(self.layers[pp.layers[0]], pp.n_slots + extra_slots, sh.device)
+                for li in pp.layers:
+                    self.of_layer[li] = (cache, pools)
+                self._upload(pools, cache.seed(list(pp.residents)), non_blocking=False)
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the pools."""
-        seen = {id(p): p for _, ps in self.of_layer.values() for p in ps}
+        return self.nbytes_of(self.of_layer)
+
+    def nbytes_of(self, layers: Container[int]) -> int:
+        """Device bytes of the pools that serve ``layers`` (a pool serves the layers of one
+        share only)."""
+        seen = {id(p): p for li, (_, ps) in self.of_layer.items() if li in layers for p in ps}
         return sum(p.tensor.numel() for p in seen.values())
 
     def _upload(self, pools: Pools, uploads: Sequence[Upload], non_blocking: bool) -> None:
@@ -356,19 +378,17 @@ class _PlannedPools:
 
 
 class ResidentExperts(_PlannedPools):
-    """The ``gpu`` strategy: every expert of every layer resident (a plan that holds them
+    """The ``gpu`` strategy: every expert of every layer resident (plans that hold them
     all), layer after layer in each pool."""
 
-    def __init__(
-        self, layers: Sequence[ExpertLayer], plan: CachePlan, device: torch.device
-    ) -> None:
-        if not plan.all_resident:
+    def __init__(self, shares: Sequence[PoolShare]) -> None:
+        if not all(sh.plan.all_resident for sh in shares):
             raise InvalidInputError("the gpu strategy needs a cache that holds every expert")
-        super().__init__(layers, plan, device)
+        super().__init__(shares)
         # Each layer launches on a window of its own experts: a kernel's grid spans the
         # pool's slots (MMQ's z dimension), and the expert ids are the slots.
         self.windows: dict[int, Pools] = {}
-        for pp in plan.pools:
+        for pp in (pp for sh in shares for pp in sh.plan.pools):
             for j, li in enumerate(pp.layers):
                 _, pools = self.of_layer[li]
                 gate, up, down = (p.window(j * pp.n_experts, pp.n_experts) for p in pools)
@@ -394,19 +414,19 @@ class _Staging:
 
 class OffloadExperts(_PlannedPools):
     """The ``offload`` strategy: experts uploaded into slot pools on demand (decode; evicting
-    by ``policy``, ``lru`` or ``adaptive``), whole layers streamed double-buffered (prefill).
-    The experts' host bytes are page-locked here unless ``pinned`` already holds them."""
+    by ``policy``, ``lru`` or ``adaptive``), whole layers streamed double-buffered (prefill),
+    through a copy stream and two staging buffers per device. The experts' host bytes are
+    page-locked here unless ``pinned`` already holds them."""
 
     def __init__(
         self,
-        layers: Sequence[ExpertLayer],
-        plan: CachePlan,
-        device: torch.device,
+        shares: Sequence[PoolShare],
         policy: str = "lru",
         extra_slots: int = 0,
         pinned: PinnedExperts | None = None,
     ) -> None:
-        super().__init__(layers, plan, device, policy, extra_slots)
+        super().__init__(shares, policy, extra_slots)
+        layers = list(self.layers.values())
         self.order = [ex.index for ex in layers]
         self.position = {li: i for i, li in enumerate(self.order)}
         if pinned is None:
@@ -416,31 +436,20 @@ class OffloadExperts(_PlannedPools):
             self.pinned = set(pinned.layers) >= set(self.order)
         #: The registrations, kept as long as these pools.
         self.pins = pinned
-        self.copy_stream = torch.cuda.Stream(device)
-        self.staging: list[_Staging] = []
-        if layers:  # without layers (a hand-off with no slots) nothing is streamed
-            sizes = [
-                max(
-                    gpu.pool_nbytes(
-                        ex.kinds[k].qtype, ex.kinds[k].k, ex.kinds[k].rows, ex.n_experts
-                    )
-                    for ex in layers
-                )
-                for k in range(3)
-            ]
-            self.staging = [
-                _Staging(
-                    [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
-                    torch.cuda.Event(),
-                    torch.cuda.Event(),
-                )
-                for _ in range(2)
-            ]
+        self.copy_streams = {dev: torch.cuda.Stream(dev) for dev in self.devices}
+        #: Per device, the two buffers of the layers streamed there (none without layers:
+        #: a hand-off with no slots streams nothing).
+        self.staging: dict[torch.device, list[_Staging]] = {}
+        for dev in self.devices:
+            on_dev = [ex for ex in layers if self.device_of[ex.index] == dev]
+            if on_dev:
+                self.staging[dev] = _staging_pair(on_dev, dev)
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the pools and the staging buffers."""
-        return super().nbytes + sum(m.numel() for s in self.staging for m in s.memory)
+        bufs = [b for pair in self.staging.values() for b in pair]
+        return super().nbytes + sum(m.numel() for b in bufs for m in b.memory)
 
     def launch(
         self, ex: ExpertLayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -454,7 +463,7 @@ class OffloadExperts(_PlannedPools):
         for lo, hi in cache.split_tokens(host_ids):
             slots, uploads = cache.place(ex.index, host_ids[lo:hi])
             self._upload(pools, uploads, non_blocking=self.pinned)
-            dev_slots = torch.from_numpy(slots).to(self.device)
+            dev_slots = torch.from_numpy(slots).to(x.device)
             gpu.moe_layer(
                 *pools,
                 x[lo:hi],
@@ -468,14 +477,16 @@ class OffloadExperts(_PlannedPools):
 
     def _stage(self, ex: ExpertLayer) -> _Staging:
         """Starts (or finds) the upload of ``ex``'s whole layer into its staging buffer."""
-        buf = self.staging[self.position[ex.index] % 2]
+        dev = self.device_of[ex.index]
+        buf = self.staging[dev][self.position[ex.index] % 2]
         if buf.layer == ex.index:
             return buf
-        self.copy_stream.wait_event(buf.free)
-        with torch.cuda.stream(self.copy_stream):
-            buf.pools = pools = _pools(ex, ex.n_experts, self.device, buf.memory)
+        copy_stream = self.copy_streams[dev]
+        copy_stream.wait_event(buf.free)
+        with torch.cuda.stream(copy_stream):
+            buf.pools = pools = _pools(ex, ex.n_experts, dev, buf.memory)
             ex.load(pools, 0, ex.n_experts, 0, non_blocking=self.pinned)
-            buf.ready.record(self.copy_stream)
+            buf.ready.record(copy_stream)
         buf.layer = ex.index
         self.uploaded_bytes += ex.expert_nbytes * ex.n_experts
         return buf
@@ -487,12 +498,31 @@ class OffloadExperts(_PlannedPools):
         nxt = self.position[ex.index] + 1
         if nxt < len(self.order):
             self._stage(self.layers[self.order[nxt]])  # overlaps this layer's compute
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device_of[ex.index])
         stream.wait_event(buf.ready)
         assert buf.pools is not None  # staged above
         out = gpu.moe_layer(*buf.pools, x, ids, weights, act=ex.layer.act, check_ids=False)
         buf.free.record(stream)
         return out
+
+
+def _staging_pair(layers: Sequence[ExpertLayer], device: torch.device) -> list[_Staging]:
+    """Two whole-layer buffers on ``device``, each kind's as large as ``layers``' largest."""
+    sizes = [
+        max(
+            gpu.pool_nbytes(ex.kinds[k].qtype, ex.kinds[k].k, ex.kinds[k].rows, ex.n_experts)
+            for ex in layers
+        )
+        for k in range(3)
+    ]
+    return [
+        _Staging(
+            [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
+            torch.cuda.Event(),
+            torch.cuda.Event(),
+        )
+        for _ in range(2)
+    ]
 
 
 class GpuExperts:
@@ -510,7 +540,8 @@ class GpuExperts:
     ) -> None:
         self.ex = ex
         self.experts = experts
-        self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=experts.device)
+        device = experts.device_of[ex.index]
+        self.counts = torch.zeros(self.ex.n_experts, dtype=torch.int64, device=device)
         self.fused_routing = (
             routing.softmax_top_k
             and selection_bias is None

@@ -29,6 +29,12 @@ fetched experts in the host's table (the CPU skips them as residents; the device
 sends them to the pool's zeroed slots) until the step ends, and a kernel on the fetch stream
 copies them from the mapped expert memory (``gpu.fetch_gather``). Nothing reads back, so a
 fetching step is still one CUDA graph.
+
+With the layers split over several GPUs one hand-off still serves every layer (one CPU
+thread, one block, one sequence of requests): each device has its pools, tables and
+sequence counter, and a device's first request after another device's continues that
+device's count (a copy of the counter, stream-ordered after the other device's wait), so
+the CPU thread sees one sequence.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from freetoken.engine.gpu_moe import (
     OffloadExperts,
     PinnedExperts,
     Pools,
+    PoolShare,
     _pools,
     clear_last_cuda_error,
     unregister_host_memory,
@@ -59,7 +66,7 @@ from freetoken.engine.gpu_moe import (
 from freetoken.errors import DeviceError, FreeTokenError, ShapeError
 from freetoken.runtime import gpu
 from freetoken.runtime.moe import run_experts
-from freetoken.runtime.slots import CachePlan, SlotCache, Upload
+from freetoken.runtime.slots import SlotCache, Upload
 
 __all__ = ["FETCH_FIELDS", "HybridExperts", "HybridStats", "MappedHost"]
 
@@ -183,12 +190,12 @@ class HybridStats:
 
 
 class HybridExperts(OffloadExperts):
-    """The ``hybrid`` strategy over the pools of ``plan`` for ``layers`` (each pool with
-    ``top_k`` zeroed slots after its own, where misses point), the CPU half on ``executor``.
-    ``cpu_only`` layers have no slots: every route of theirs goes through the hand-off to the
-    CPU (``--moe-cpu-layers``, and experts the GPU kernels cannot serve), so steps stay
-    graphs. ``policy`` is the slots' (``lru`` fills free slots only; ``adaptive`` also
-    swaps); ``bandwidth`` each pooled layer's
+    """The ``hybrid`` strategy over the pools of each share (each pool with ``top_k``
+    zeroed slots after its own, where misses point), the CPU half on ``executor``. A
+    share's ``cpu_only`` layers have no slots: every route of theirs goes through the
+    hand-off to the CPU (``--moe-cpu-layers``, and experts the GPU kernels cannot serve), so
+    steps stay graphs. ``policy`` is the slots' (``lru`` fills free slots only; ``adaptive``
+    also swaps); ``bandwidth`` each pooled layer's
     :class:`~freetoken.engine.bandwidth_profile.KindBandwidth` by layer index (the prefill and
     fetch decisions), or None; ``fetch_share`` forces the share of a step's missed experts
     that steps of several tokens upload (None: the fetch rule's); ``pinned`` the layers'
@@ -196,16 +203,15 @@ class HybridExperts(OffloadExperts):
 
     def __init__(
         self,
-        layers: Sequence[ExpertLayer],
-        plan: CachePlan,
-        device: torch.device,
+        shares: Sequence[PoolShare],
         executor: _core.MoeExecutor,
         policy: str = "lru",
         bandwidth: dict[int, KindBandwidth] | None = None,
-        cpu_only: Sequence[ExpertLayer] = (),
         pinned: PinnedExperts | None = None,
         fetch_share: float | None = None,
     ) -> None:
+        layers = [ex for sh in shares for ex in sh.layers]
+        cpu_only = [ex for sh in shares for ex in sh.cpu_only]
         served = sorted([*layers, *cpu_only], key=lambda ex: ex.index)
         first = served[0]
         shape = (first.gate.k, first.n_experts, first.top_k)
@@ -213,11 +219,12 @@ class HybridExperts(OffloadExperts):
             if (ex.gate.k, ex.n_experts, ex.top_k) != shape:
                 raise ShapeError("hybrid needs MoE layers of one width, expert count and top-k")
         hidden, n_experts, top_k = shape
-        super().__init__(layers, plan, device, policy, extra_slots=top_k, pinned=pinned)
+        super().__init__(shares, policy, extra_slots=top_k, pinned=pinned)
+        self.device_of |= {ex.index: sh.device for sh in shares for ex in sh.cpu_only}
         self.executor, self.top_k, self.policy = executor, top_k, policy
         self.links = {ex.index: Links.of((bandwidth or {}).get(ex.index)) for ex in layers}
         self.fetch_share = fetch_share
-        self.fetch_stream = torch.cuda.Stream(device)
+        self.fetch_streams = {dev: torch.cuda.Stream(dev) for dev in self.devices}
         self.cpu_only = {ex.index: ex for ex in cpu_only}
         # The hand-off serves every layer, in model order (its own positions).
         self.served = [ex.index for ex in served]
@@ -254,8 +261,11 @@ class HybridExperts(OffloadExperts):
                 self.resident[self.handoff_pos[layer], expert] = slot
         # Where each resident came from: the plan's seed (a profile's hottest) or a fill.
         self.origin = np.where(self.resident >= 0, SEEDED, 0).astype(np.int8)
-        self.resident_dev = torch.from_numpy(self.resident).to(device)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)
+        # Per device: the table (every layer's rows; each device reads its layers') and the
+        # sequence counter of its requests, the last one to raise a request in `last_counter`.
+        self.resident_dev = {d: torch.from_numpy(self.resident).to(d) for d in self.devices}
+        self.counters = {d: torch.zeros(1, dtype=torch.int64, device=d) for d in self.devices}
+        self.last_counter: torch.Tensor | None = None
         # The fetch: each pooled layer's experts as the device reads them (the kinds' host
         # addresses and strides, for layers whose experts lie evenly spaced in pinned
         # memory), its two staging pools (the buffers alternate by layer), the plan's list
@@ -266,13 +276,17 @@ class HybridExperts(OffloadExperts):
             for ex in layers
             if fits and self.pins.holds(ex) and (src := ex.fetch_sources()) is not None
         }
-        self.staged = {
-            (li, b): _pools(self.layers[li], n_experts, device, self.staging[b].memory)
-            for li in self.sources
-            for b in range(len(self.staging))
+        self.staged: dict[tuple[int, int], Pools] = {}
+        for li in self.sources:
+            dev = self.device_of[li]
+            for b, buf in enumerate(self.staging[dev]):
+                self.staged[(li, b)] = _pools(self.layers[li], n_experts, dev, buf.memory)
+        self.fetched_dev = {
+            d: torch.zeros((n, n_experts), dtype=torch.int32, device=d) for d in self.devices
         }
-        self.fetched_dev = torch.zeros((n, n_experts), dtype=torch.int32, device=device)
-        self.fetch_stats = torch.zeros((n, gpu.FETCH_STATS), dtype=torch.int64, device=device)
+        self.fetch_stats = {
+            d: torch.zeros((n, gpu.FETCH_STATS), dtype=torch.int64, device=d) for d in self.devices
+        }
         self.pending: list[tuple[torch.cuda.Event, list[tuple[SlotCache, Upload]]]] = []
         # A plan's uploads, evicted from the tables, until the next step starts their copies.
         self.queued: list[tuple[SlotCache, Pools, list[Upload]]] = []
@@ -310,9 +324,10 @@ class HybridExperts(OffloadExperts):
             return
         if self.fetching:
             # Fetches overwrite the staging buffers: they hold no streamed layer after this.
-            for buf in self.staging:
+            for buf in (b for pair in self.staging.values() for b in pair):
                 buf.layer, buf.pools = -1, None
-            self.fetch_stats.zero_()
+            for stats in self.fetch_stats.values():
+                stats.zero_()
         a = self.host.arrays
         self.block[STOP] = 0
         self.busy_ns = int(self.block[BUSY_NS])
@@ -352,7 +367,8 @@ class HybridExperts(OffloadExperts):
 
     def _finish(self, ticket: Any) -> None:
         try:
-            torch.cuda.current_stream(self.device).synchronize()
+            for dev in self.devices:
+                torch.cuda.current_stream(dev).synchronize()
         finally:
             self.block[STOP] = 1
             try:
@@ -378,20 +394,22 @@ class HybridExperts(OffloadExperts):
         if not self.serving:
             return self._cpu_direct(ex, x, ids, weights)
         t, pos = ids.shape[0], self.handoff_pos[ex.index]
+        dev = self.device_of[ex.index]
         fetch = self.fetching and ex.index in self.sources
         staged = self._start_fetch(ex, pos, ids, weights) if fetch else None
         v = self.views
         host = (v["x"][:t], v["ids"][pos, :t], v["weights"][pos, :t])
         cache = self.of_layer[ex.index][0] if pooled else None
         dummy = cache.n_slots if cache is not None else 0
+        counter = self._counter(dev)
         slots, w = gpu.handoff_routes(
-            self.counter,
+            counter,
             self.block,
             (t << 32) | pos,
             x,
             ids,
             weights,
-            self.resident_dev[pos],
+            self.resident_dev[dev][pos],
             dummy,
             host,
         )
@@ -402,7 +420,7 @@ class HybridExperts(OffloadExperts):
             out = torch.zeros_like(x)
         if staged is not None:
             staging, f_slots, f_weights = staged
-            torch.cuda.current_stream(self.device).wait_stream(self.fetch_stream)
+            torch.cuda.current_stream(dev).wait_stream(self.fetch_streams[dev])
             gpu.moe_layer(
                 *staging,
                 x,
@@ -413,8 +431,21 @@ class HybridExperts(OffloadExperts):
                 accumulate=True,
                 check_ids=False,
             )
-        gpu.handoff_wait_add(self.counter, self.block, v["out"][:t], out, TIMEOUT_S)
+        gpu.handoff_wait_add(counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
+
+    def _counter(self, dev: torch.device) -> torch.Tensor:
+        """The sequence counter for a request from ``dev``: after another device's request
+        it first takes that device's count (on both current streams, which torch orders
+        after the other device's wait for its answer), so that the requests of all devices
+        form the one sequence the CPU thread answers. A replayed graph runs on one device,
+        where no copy is made."""
+        counter = self.counters[dev]
+        last = self.last_counter
+        if last is not None and last is not counter:
+            counter.copy_(last)
+        self.last_counter = counter
+        return counter
 
     def _start_fetch(
         self, ex: ExpertLayer, pos: int, ids: torch.Tensor, weights: torch.Tensor
@@ -429,13 +460,14 @@ class HybridExperts(OffloadExperts):
         n_exp, k = ex.n_experts, self.top_k
         base = n_exp - k
         links = self.links[ex.index]
+        dev = self.device_of[ex.index]
         slots, f_weights = gpu.fetch_plan(
             ids,
             weights,
-            self.resident_dev[pos],
+            self.resident_dev[dev][pos],
             self.resident[pos],
-            self.fetched_dev[pos],
-            self.fetch_stats[pos],
+            self.fetched_dev[dev][pos],
+            self.fetch_stats[dev][pos],
             max_fetch=base,
             dummy_base=base,
             expert_bytes=ex.expert_nbytes,
@@ -444,14 +476,15 @@ class HybridExperts(OffloadExperts):
             share=self.fetch_share,
             price_routes=ids.shape[0] > MAX_SLOT_TOKENS,
         )
-        pools = self.staged[(ex.index, self.position[ex.index] % len(self.staging))]
-        self.fetch_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.fetch_stream):
+        pools = self.staged[(ex.index, self.position[ex.index] % len(self.staging[dev]))]
+        fetch_stream = self.fetch_streams[dev]
+        fetch_stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(fetch_stream):
             gpu.fetch_gather(
                 pools,
                 self.sources[ex.index],
-                self.fetched_dev[pos],
-                self.fetch_stats[pos],
+                self.fetched_dev[dev][pos],
+                self.fetch_stats[dev][pos],
                 top_k=k,
                 max_fetch=base,
                 dummy_base=base,
@@ -506,8 +539,11 @@ class HybridExperts(OffloadExperts):
     def _reset(self) -> None:
         """After a failed step: both sides back to sequence 0."""
         self.last = None
-        torch.cuda.synchronize(self.device)
-        self.counter.zero_()
+        for dev in self.devices:
+            torch.cuda.synchronize(dev)
+        for counter in self.counters.values():
+            counter.zero_()
+        self.last_counter = None
         self.block[:] = 0
 
     # -- between steps ----------------------------------------------------------------------
@@ -548,7 +584,8 @@ class HybridExperts(OffloadExperts):
 
         upload_s = 0.0
         if self.fetching:
-            stats = self.fetch_stats.cpu().numpy()
+            # Each layer's row is written on its own device only (the others' stay zero).
+            stats = np.sum([s.cpu().numpy() for s in self.fetch_stats.values()], axis=0)
             ran = stats[:, gpu.FETCH_END_NS] > 0
             spans = stats[ran, gpu.FETCH_END_NS] - stats[ran, gpu.FETCH_START_NS]
             upload_s = float(spans.sum()) / 1e9
@@ -633,8 +670,9 @@ class HybridExperts(OffloadExperts):
         pos, expert, slot = table
         self.resident[pos, expert] = slot
         self.origin[pos, expert] = np.where(slot >= 0, FILLED, 0)
-        dev = torch.from_numpy(table).to(self.device)
-        self.resident_dev[dev[0], dev[1]] = dev[2].to(torch.int32)
+        for device, resident in self.resident_dev.items():
+            dev = torch.from_numpy(table).to(device)
+            resident[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def _evict(self, cache: SlotCache, pools: Pools, ups: list[Upload]) -> None:
         """Takes the experts a plan replaces out of the tables (before the next step, on the
@@ -652,9 +690,10 @@ class HybridExperts(OffloadExperts):
         stream."""
         for cache, pools, ups in self.queued:
             ready = torch.cuda.Event()
-            with torch.cuda.stream(self.copy_stream):
+            copy_stream = self.copy_streams[pools[0].device]
+            with torch.cuda.stream(copy_stream):
                 self._upload(pools, sorted(ups, key=lambda u: (u.layer, u.expert)), self.pinned)
-                ready.record(self.copy_stream)
+                ready.record(copy_stream)
             self.pending.append((ready, [(cache, u) for u in ups]))
         self.queued = []
 

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from freetoken.engine.split import SPLIT_MODES, parse_tensor_split
+from freetoken.engine.split import SPLIT_MODES, SplitPlan, parse_tensor_split
 from freetoken.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -75,7 +75,10 @@ class EngineOptions:
     read fastest (engine/repack.py; False: llama.cpp's ``--no-repack``).
     ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
     main GPU alone, or ``layer`` when proportions are given), ``--tensor-split`` proportions
-    and ``--main-gpu`` (:mod:`freetoken.engine.split`).
+    and ``--main-gpu`` (:mod:`freetoken.engine.split`). ``split_plan``: the layer ranges
+    given as they are instead (a :class:`~freetoken.engine.split.SplitPlan`: each range's GPU
+    and cache share, the output layer's GPU; several ranges may name one GPU), checked
+    against the model and the host at placement.
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
     see (runtime/kv_cache.py)."""
@@ -99,6 +102,7 @@ class EngineOptions:
     split_mode: str | None = None
     tensor_split: tuple[float, ...] | None = None
     main_gpu: int = 0
+    split_plan: SplitPlan | None = None
 
     def __post_init__(self) -> None:
         for value, allowed, flag in (
@@ -138,6 +142,12 @@ class EngineOptions:
             raise InvalidInputError(f"--main-gpu must be >= 0, got {self.main_gpu}")
         if self.tensor_split is not None:
             parse_tensor_split(",".join(map(str, self.tensor_split)))  # >= 0, not all zero
+        if self.split_plan is not None and (
+            self.split_mode is not None or self.tensor_split is not None
+        ):
+            raise InvalidInputError(
+                "a split plan gives the layer ranges itself: no --split-mode or --tensor-split"
+            )
 
     @property
     def poll_us(self) -> int | None:
@@ -323,4 +333,5 @@ def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | No
         split_mode=opts.split_mode,
         tensor_split=opts.tensor_split,
         main_gpu=opts.main_gpu,
+        split_plan=opts.split_plan,
     )

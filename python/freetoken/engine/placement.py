@@ -10,13 +10,20 @@ graphs (:mod:`freetoken.runtime.cuda_graph`). The same ``Transformer`` code then
 device. MoE layers left without slots (``cpu``, or experts no GPU kernel serves) are computed
 by the CPU executor through hybrid's hand-off where one hand-off serves them all, so their
 steps are graphs too.
+
+With the layers split over several GPUs (:mod:`freetoken.engine.split`) each range's layers,
+their KV cache and recurrent state and their expert pools (within the range's share of the
+cache) go to the range's GPU; the embedding goes to the first range's, the output norm and
+projection to the plan's output GPU, and a step copies its activations once per boundary
+between GPUs. Decode graphs are captured per device, so they run only when every range and
+the output layer are on one GPU; steps over several GPUs run eagerly.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +42,7 @@ from freetoken.engine.gpu_moe import (
     HostExperts,
     OffloadExperts,
     PinnedExperts,
+    PoolShare,
     ResidentExperts,
     gpu_servable,
 )
@@ -87,13 +95,29 @@ class Placement:
     notes: list[str] = field(default_factory=list)
     #: The expert pools (Resident-, Offload- or HybridExperts), None when all are on the CPU.
     experts: Any = None
+    #: The layer ranges and their GPUs (one range: the whole model on :attr:`device`).
+    split: SplitPlan | None = None
+    #: Per range, the bytes of its dense weights and of its expert slots.
+    range_bytes: list[tuple[int, int]] = field(default_factory=list)
 
     def describe(self) -> str:
+        """The placement log: strategy, bytes, graphs, then with several ranges each range's
+        layers, GPU and bytes, then the CPU layers and the notes."""
         lines = [
             f"placement: strategy {self.strategy}, dense weights {self.dense}, "
             f"{self.dense_bytes / _MIB:.0f} MiB dense + {self.expert_bytes / _MIB:.0f} MiB "
             f"experts on {self.device}, decode graphs {'on' if self.graphs else 'off'}"
         ]
+        plan = self.split
+        if plan is not None and len(plan.ranges) > 1:
+            for d, r, (dense, slots) in zip(
+                plan.devices, plan.ranges, self.range_bytes, strict=True
+            ):
+                lines.append(
+                    f"  GPU {d}: layers {r.start}-{r.stop - 1}, {dense / _MIB:.0f} MiB dense + "
+                    f"{slots / _MIB:.0f} MiB expert cache"
+                )
+            lines.append(f"  GPU {plan.output_device}: output norm and projection")
         if self.cpu_layers:
             lines.append(f"  MoE layers on the CPU executor: {self.cpu_layers}")
         if self.handoff_cpu_layers:
@@ -195,8 +219,8 @@ def _split_plan(
     cache_mib: int | None,
 ) -> SplitPlan:
     """The GPUs' layer ranges. Without ``--split-mode`` a host of several GPUs uses the main
-    one alone; an explicit ``layer`` split that spans several GPUs is refused, since this
-    placement keeps a model on one device."""
+    one alone (unless ``--tensor-split`` is given): one GPU runs decode steps as CUDA graphs,
+    a split over several runs them eagerly."""
     sizes = {ex.index: ex.spec().expert_bytes * ex.n_experts for ex in layers}
     n_layers = len(model.blocks)
     free = [torch.cuda.mem_get_info(d)[0] for d in range(n_gpus)]
@@ -211,11 +235,6 @@ def _split_plan(
         cache_mib=cache_mib,
         expert_bytes=[sizes.get(i, 0) for i in range(n_layers)],
     )
-    if len(plan.devices) > 1:
-        raise UnsupportedError(
-            f"--split-mode layer: {plan.describe()}: layers on several GPUs are not "
-            "supported yet (use --split-mode none --main-gpu N)"
-        )
     if mode is None and n_gpus > 1:
         log.info("%d GPUs: the model goes to GPU %d (--main-gpu)", n_gpus, main_gpu)
     return plan
@@ -236,6 +255,7 @@ def place_on_gpu(
     split_mode: str | None = None,
     tensor_split: tuple[float, ...] | None = None,
     main_gpu: int = 0,
+    split_plan: SplitPlan | None = None,
     fetch_share: float | None = None,
 ) -> Placement:
     """Moves ``model`` to the GPU with its experts per ``strategy`` (see the module docs of
@@ -244,8 +264,9 @@ def place_on_gpu(
     ``n_ctx`` positions and a workspace), else runs hybrid (offload when the layers differ
     in shape, which one hand-off cannot serve). ``cpu_layers`` is ``--moe-cpu-layers``
     (:mod:`freetoken.engine.cpu_layers`); ``split_mode``, ``tensor_split`` and ``main_gpu``
-    pick the GPU (:mod:`freetoken.engine.split`) unless ``device`` names one;
-    ``fetch_share`` is ``--moe-fetch-share``
+    plan the layers' GPUs (:mod:`freetoken.engine.split`) unless ``device`` names one GPU
+    for all or ``split_plan`` gives the ranges as they are (their cache shares in place of
+    ``cache_mib``; :meth:`SplitPlan.check` errors); ``fetch_share`` is ``--moe-fetch-share``
     (:class:`~freetoken.engine.hybrid.HybridExperts`). Logs what it did (the placement, the
     pools) on the ``freetoken`` logger at INFO level and returns it."""
     if strategy not in MOE_STRATEGIES:
@@ -256,56 +277,72 @@ def place_on_gpu(
     if not (status.available and torch.cuda.is_available()):
         raise UnsupportedError(f"no GPU for --moe-strategy {strategy}: {status.detail}")
     layers = _expert_layers(model)
-    if device is None:
+    n_layers = len(model.blocks)
+    if device is not None:
+        one = torch.device(device)
+        index = torch.cuda.current_device() if one.index is None else one.index
+        plan = SplitPlan((index,), (range(n_layers),), (cache_mib,), index)
+    elif split_plan is not None:
+        split_plan.check(n_layers, status.n_devices)
+        plan = split_plan
+        log.info("split: %s", plan.describe())
+    else:
         plan = _split_plan(
             model, layers, status.n_devices, split_mode, tensor_split, main_gpu, cache_mib
         )
-        device, cache_mib = torch.device("cuda", plan.devices[0]), plan.cache_mib[0]
         log.info("split: %s", plan.describe())
-    dev = torch.device(device)
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    devs = [torch.device("cuda", d) for d in plan.devices]
+    dev, out_dev = devs[0], torch.device("cuda", plan.output_device)
     wanted = parse_cpu_layers(cpu_layers, [ex.index for ex in layers])
     servable = [
         ex
         for ex in layers
         if strategy != "cpu" and gpu_servable(ex) and (wanted is None or ex.index not in wanted)
     ]
-    place = Placement(strategy, dense, dev)
+    place = Placement(strategy, dense, dev, split=plan)
 
     # Dense parts first (MoE feed-forwards are left for below): what they take decides what
-    # is left for the experts.
-    mover = _Mover(dev, dense)
-    model.blocks = mover(model.blocks)
-    # The model's own tensors (norm, RoPE factors and masks) as they are.
+    # is left for the experts. Each range's parts go to its GPU through a mover of its own.
+    movers = [_Mover(d, dense) for d in devs]
+    out_mover = movers[-1] if devs[-1] == out_dev else _Mover(out_dev, dense)
+    mover_of = [m for m, r in zip(movers, plan.ranges, strict=True) for _ in r]
+    model.blocks = [mover_of[i](blk) for i, blk in enumerate(model.blocks)]
+    # The model's own tensors (norm, RoPE factors and masks) as they are: the output norm
+    # beside the output projection, the rest beside the embedding.
     for name, val in list(vars(model).items()):
         if isinstance(val, torch.Tensor):
-            setattr(model, name, mover(val))
-    model.output = mover(model.output)
-    # A family's own parts beyond the Transformer's (Gemma 4's per-layer inputs).
+            setattr(model, name, (out_mover if name == "output_norm" else movers[0])(val))
+    model.output = out_mover(model.output)
+    # A family's own parts beyond the Transformer's (Gemma 4's per-layer inputs), and its
+    # lists of one entry per layer, each beside its layer.
     for name in getattr(model, "gpu_parts", ()):
-        setattr(model, name, mover(getattr(model, name)))
+        setattr(model, name, movers[0](getattr(model, name)))
+    for name in getattr(model, "gpu_layer_parts", ()):
+        parts = getattr(model, name)
+        setattr(model, name, [mover_of[i](p) for i, p in enumerate(parts)])
     emb = GpuEmbedding(model.embed, dev)
     model.embed = emb  # type: ignore[assignment]
-    mover.dense_bytes += emb.table.numel() * emb.table.element_size()
-    place.dense_bytes = mover.dense_bytes
+    movers[0].dense_bytes += emb.table.numel() * emb.table.element_size()
+    all_movers = movers if out_mover in movers else [*movers, out_mover]
+    place.dense_bytes = sum(m.dense_bytes for m in all_movers)
 
+    ranges = _ranges(plan, layers, servable)
     experts: ResidentExperts | OffloadExperts | HybridExperts | None = None
     if servable:
         opts = _CacheOptions(
             n_ctx,
-            cache_mib,
             cache_scope,
             cache_profile,
             cache_policy,
             cpu_auto=wanted is None,
             fetch_share=fetch_share,
         )
-        experts, place.strategy = _experts(servable, layers, strategy, opts, model, dev, place)
+        experts, place.strategy = _experts(ranges, layers, strategy, opts, model, place)
     if experts is None and layers and model.moe is not None and _one_shape(layers):
         # Nothing for the slots (`cpu`, or no GPU kernel serves the experts): every route
         # goes through the hand-off to the CPU, so decode steps stay graphs.
-        experts = HybridExperts([], NO_SLOTS, dev, model.moe.executor, cpu_only=layers)
+        shares = [PoolShare([], NO_SLOTS, r.device, r.moe) for r in ranges if r.moe]
+        experts = HybridExperts(shares, model.moe.executor)
     if experts is not None:
         place.expert_bytes = experts.nbytes
         place.experts = experts
@@ -316,40 +353,53 @@ def place_on_gpu(
     else:
         on_gpu = {}
     place.cpu_layers = [ex.index for ex in layers if ex.index not in on_gpu]
-    for ffn in mover.moe:
-        _place_moe(ffn, mover, on_gpu.get(ffn.layer.index), experts, model.moe)
+    place.range_bytes = [
+        (m.dense_bytes, experts.nbytes_of(r) if experts is not None else 0)
+        for m, r in zip(movers, plan.ranges, strict=True)
+    ]
+    for m in all_movers:
+        for ffn in m.moe:
+            _place_moe(ffn, m, on_gpu.get(ffn.layer.index), experts, model.moe)
     left = _left_on_host(model, "model", set())
     if left:
         raise UnsupportedError(f"placement left model parts on the host: {', '.join(left)}")
-    model.device = dev
+    model.device, model.output_device = dev, out_dev
+    if len(plan.ranges) > 1:
+        model.layer_devices = tuple(torch.device("cuda", d) for d in plan.layer_devices())
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
-    # (hybrid's CPU half answers inside the graph), no inputs read on the host.
+    # (hybrid's CPU half answers inside the graph), no inputs read on the host; and one
+    # device (a CUDA graph is captured on one).
     place.graphs = (
         not place.cpu_layers
         and not getattr(model, "host_inputs", False)
         and (not layers or isinstance(experts, (ResidentExperts, HybridExperts)))
+        and not plan.several_devices
     )
+    if plan.several_devices:
+        place.notes.append("decode graphs off: the layers are on several GPUs (steps run eagerly)")
     model.graphs = GraphDecoder(model) if place.graphs else None
     log.info("%s", place.describe())
     return place
 
 
 def place_mtp_head(head: MtpHead, place: Placement) -> None:
-    """Moves a multi-token-prediction head onto its trunk's GPU (``place``): the dense parts
-    as the trunk's, the layer's experts resident in pools of their own when they fit in the
-    free memory beside the workspace (as llama.cpp's ``--n-cpu-moe`` keeps the layers past
+    """Moves a multi-token-prediction head onto its trunk's output GPU (``place``): the dense
+    parts as the trunk's, the layer's experts resident in pools of their own when they fit in
+    the free memory beside the workspace (as llama.cpp's ``--n-cpu-moe`` keeps the layers past
     the trunk on the GPU), else on the CPU executor; under ``--moe-strategy cpu`` the
     experts stay on the CPU as the trunk's. Without the CPU executor the head's steps are
     CUDA graphs. The head's experts count in no audit."""
-    model, dev = head.model, place.device
+    model = head.model
+    dev = model.output_device
     mover = _Mover(dev, place.dense)
     for name in ("eh_proj", "enorm", "hnorm", "head_norm", "block"):
         setattr(head, name, mover(getattr(head, name)))
     if head.head is not model.output:
         head.head = mover(head.head)
         head.head_device = dev
-    shared = head.embed.name == model.embed.name
+    # The trunk's embedding serves the head where it is on the head's GPU.
+    shared = head.embed.name == model.embed.name and model.device == dev
     head.embed = model.embed if shared else GpuEmbedding(head.embed, dev)  # type: ignore[assignment]
     for ffn in mover.moe:
         ex = ExpertLayer.of(ffn)
@@ -358,7 +408,7 @@ def place_mtp_head(head: MtpHead, place: Placement) -> None:
             free = torch.cuda.mem_get_info(dev)[0] - WORKSPACE_BYTES
             plan = plan_pools([ex.spec()], 1 << 62)  # every expert resident
             if plan.all_bytes <= free:
-                experts = ResidentExperts([ex], plan, dev)
+                experts = ResidentExperts([PoolShare([ex], plan, dev)])
         _place_moe(ffn, mover, ex if experts is not None else None, experts, None)
         where = "resident on the GPU" if experts is not None else "on the CPU executor"
         log.info("MTP head: layer %d's experts %s", ex.index, where)
@@ -397,7 +447,6 @@ def _place_moe(
 @dataclass(frozen=True)
 class _CacheOptions:
     n_ctx: int
-    cache_mib: int | None
     scope: str
     profile: Any
     policy: str
@@ -406,28 +455,77 @@ class _CacheOptions:
     fetch_share: float | None
 
 
-def _budget(
-    layers: list[ExpertLayer],
-    o: _CacheOptions,
-    model: Transformer,
-    dev: torch.device,
-    place: Placement,
-) -> int:
-    total = sum(ex.expert_nbytes * ex.n_experts for ex in layers)
-    if o.cache_mib is not None:
-        place.notes.append(
-            f"expert cache: --moe-cache-mib {o.cache_mib} (experts: {total / _MIB:.0f} MiB)"
+@dataclass(frozen=True)
+class _Range:
+    """One range of the split as the expert placement sees it: its GPU, layers, share of
+    the cache in MiB (None: what fits), MoE layers, and of those the ones the slots serve."""
+
+    device: torch.device
+    layers: range
+    cache_mib: int | None
+    moe: list[ExpertLayer]
+    servable: list[ExpertLayer]
+
+    @property
+    def tag(self) -> str:
+        """What the notes of one range of several start with."""
+        return f"GPU {self.device.index}, layers {self.layers.start}-{self.layers.stop - 1}: "
+
+
+def _ranges(
+    plan: SplitPlan, layers: list[ExpertLayer], servable: list[ExpertLayer]
+) -> list[_Range]:
+    """The plan's ranges with their MoE layers and GPU-servable ones."""
+    return [
+        _Range(
+            torch.device("cuda", d),
+            r,
+            mib,
+            [ex for ex in layers if ex.index in r],
+            [ex for ex in servable if ex.index in r],
         )
-        return o.cache_mib * _MIB
-    free, _ = torch.cuda.mem_get_info(dev)
-    kv = model.kv_bytes(o.n_ctx)
-    budget = max(0, free - kv - WORKSPACE_BYTES)
-    place.notes.append(
-        f"expert cache: {free / _MIB:.0f} MiB free - {kv / _MIB:.0f} MiB KV cache "
-        f"({o.n_ctx} positions) - {WORKSPACE_BYTES / _MIB:.0f} MiB workspace = "
-        f"{budget / _MIB:.0f} MiB (experts: {total / _MIB:.0f} MiB)"
-    )
-    return budget
+        for d, r, mib in zip(plan.devices, plan.ranges, plan.cache_mib, strict=True)
+    ]
+
+
+def _expert_total(layers: list[ExpertLayer]) -> int:
+    return sum(ex.expert_nbytes * ex.n_experts for ex in layers)
+
+
+def _budgets(
+    ranges: list[_Range], o: _CacheOptions, model: Transformer, place: Placement
+) -> list[int]:
+    """Each range's expert budget in bytes: its ``--moe-cache-mib`` share, else what its GPU
+    has free beside the KV cache of the GPU's layers (their share of the model's) and a
+    workspace, divided between the ranges on that GPU by their expert bytes. Free memory is
+    read once per GPU, before any pool takes it."""
+    n_layers = len(model.blocks)
+    kv_all = model.kv_bytes(o.n_ctx)
+    free = {r.device: torch.cuda.mem_get_info(r.device)[0] for r in ranges if r.cache_mib is None}
+    several = len(ranges) > 1
+    out = []
+    for r in ranges:
+        tag = r.tag if several else ""
+        total = _expert_total(r.servable)
+        if r.cache_mib is not None:
+            place.notes.append(
+                f"{tag}expert cache: --moe-cache-mib {r.cache_mib} (experts: "
+                f"{total / _MIB:.0f} MiB)"
+            )
+            out.append(r.cache_mib * _MIB)
+            continue
+        peers = [q for q in ranges if q.device == r.device and q.cache_mib is None]
+        kv = kv_all * sum(len(q.layers) for q in peers) // n_layers
+        room = max(0, free[r.device] - kv - WORKSPACE_BYTES)
+        budget = room * total // sum(_expert_total(q.servable) for q in peers)
+        shared = f", {budget / _MIB:.0f} MiB of it for these layers" if len(peers) > 1 else ""
+        place.notes.append(
+            f"{tag}expert cache: {free[r.device] / _MIB:.0f} MiB free - {kv / _MIB:.0f} MiB "
+            f"KV cache ({o.n_ctx} positions) - {WORKSPACE_BYTES / _MIB:.0f} MiB workspace = "
+            f"{room / _MIB:.0f} MiB{shared} (experts: {total / _MIB:.0f} MiB)"
+        )
+        out.append(budget)
+    return out
 
 
 def _pin_auto(
@@ -452,21 +550,25 @@ def _pin_auto(
 
 
 def _experts(
-    layers: list[ExpertLayer],
+    ranges: list[_Range],
     all_layers: list[ExpertLayer],
     strategy: str,
     o: _CacheOptions,
     model: Transformer,
-    dev: torch.device,
     place: Placement,
 ) -> tuple[ResidentExperts | OffloadExperts | HybridExperts | None, str]:
-    """The expert pools of ``layers`` (GPU-servable) per ``strategy``, and the strategy
-    (``auto`` resolved); None when ``--moe-cpu-layers auto`` could pin none of them, or when
-    ``auto`` finds no room for even top-k slots a pool (then ``cpu``: the caller serves every
-    layer through the hand-off)."""
-    budget = _budget(layers, o, model, dev, place)
+    """The expert pools of the ranges' GPU-servable layers per ``strategy``, each range's on
+    its GPU within its budget (:func:`_budgets`), and the strategy (``auto`` resolved, one
+    for all ranges); None when ``--moe-cpu-layers auto`` could pin none of them, or when
+    ``auto`` finds no room for even top-k slots a pool on some range (then ``cpu``: the
+    caller serves every layer through the hand-off)."""
+    pooled = [r for r in ranges if r.servable]
+    several = len(ranges) > 1
+    budgets = _budgets(pooled, o, model, place)
 
-    def plan_for(ls: list[ExpertLayer], within: int = budget) -> CachePlan:
+    def plan_for(ls: list[ExpertLayer], within: int) -> CachePlan:
+        if not ls:
+            return NO_SLOTS
         return plan_pools(
             [ex.spec() for ex in ls],
             within,
@@ -477,47 +579,78 @@ def _experts(
         )
 
     if strategy == "auto" and _one_shape(all_layers):
-        need = plan_for(layers, 1 << 62).min_bytes
-        if budget < need:
-            place.notes.append(
-                f"--moe-strategy auto: cpu (the expert cache's {budget / _MIB:.0f} MiB hold "
-                f"no slots: at least {need / _MIB:.0f} MiB needed)"
-            )
-            return None, "cpu"
-    plan = plan_for(layers)
+        for r, budget in zip(pooled, budgets, strict=True):
+            need = plan_for(r.servable, 1 << 62).min_bytes
+            if budget < need:
+                place.notes.append(
+                    f"--moe-strategy auto: cpu ({r.tag if several else ''}the expert cache's "
+                    f"{budget / _MIB:.0f} MiB hold no slots: at least {need / _MIB:.0f} MiB "
+                    "needed)"
+                )
+                return None, "cpu"
+    plans = [plan_for(r.servable, b) for r, b in zip(pooled, budgets, strict=True)]
+    all_resident = all(p.all_resident for p in plans)
+    layers = [ex for r in pooled for ex in r.servable]
     bw = None
-    if strategy in ("auto", "hybrid") and not plan.all_resident:
+    if strategy in ("auto", "hybrid") and not all_resident:
         profile = load_bandwidth_profile(model)
         bw = profile.for_layers(layers) if profile is not None else None
     if strategy == "auto":
         one = _one_shape(all_layers)
-        strategy = "gpu" if plan.all_resident else "hybrid" if one else "offload"
+        strategy = "gpu" if all_resident else "hybrid" if one else "offload"
         place.notes.append(f"--moe-strategy auto: {strategy} ({_why(strategy, bw)})")
-    if strategy == "gpu" and not plan.all_resident:
-        raise InvalidInputError(
-            f"--moe-strategy gpu needs {plan.all_bytes / _MIB:.0f} MiB for the experts, "
-            f"{budget / _MIB:.0f} MiB available (use offload)"
-        )
     if strategy == "gpu":
-        return ResidentExperts(layers, plan, dev), strategy
+        for r, plan, budget in zip(pooled, plans, budgets, strict=True):
+            if not plan.all_resident:
+                raise InvalidInputError(
+                    f"--moe-strategy gpu needs {plan.all_bytes / _MIB:.0f} MiB for the experts"
+                    f"{' of ' + r.tag.rstrip(': ') if several else ''}, "
+                    f"{budget / _MIB:.0f} MiB available (use offload)"
+                )
+        shares = [PoolShare(r.servable, p, r.device) for r, p in zip(pooled, plans, strict=True)]
+        return ResidentExperts(shares), strategy
     pins = None
     if o.cpu_auto:
         pins, pinned = _pin_auto(layers, place)
         if not pinned:
             return None, strategy
         if len(pinned) < len(layers):
-            layers, plan = pinned, plan_for(pinned)
-    place.notes.append(plan.explanation)
+            kept = {ex.index for ex in pinned}
+            pooled = [
+                replace(r, servable=[ex for ex in r.servable if ex.index in kept]) for r in pooled
+            ]
+            plans = [plan_for(r.servable, b) for r, b in zip(pooled, budgets, strict=True)]
+            layers = pinned
+    for r, plan in zip(pooled, plans, strict=True):
+        if r.servable:
+            place.notes.append((r.tag if several else "") + plan.explanation)
+    plan_of = {r.layers: plan for r, plan in zip(pooled, plans, strict=True)}
     if strategy == "hybrid":
         if model.moe is None:
             raise InvalidInputError("--moe-strategy hybrid: the model has no CPU expert executor")
         # Layers without slots still go through the hand-off when it can serve them.
-        cpu_only = [ex for ex in all_layers if ex not in layers] if _one_shape(all_layers) else []
+        slotted = {ex.index for ex in layers}
+        one = _one_shape(all_layers)
+        shares = [
+            PoolShare(
+                [ex for ex in r.servable if ex.index in slotted],
+                plan_of.get(r.layers, NO_SLOTS),
+                r.device,
+                [ex for ex in r.moe if ex.index not in slotted] if one else [],
+            )
+            for r in ranges
+        ]
         experts: OffloadExperts = HybridExperts(
-            layers, plan, dev, model.moe.executor, o.policy, bw, cpu_only, pins, o.fetch_share
+            [sh for sh in shares if sh.layers or sh.cpu_only],
+            model.moe.executor,
+            o.policy,
+            bw,
+            pins,
+            o.fetch_share,
         )
     else:
-        experts = OffloadExperts(layers, plan, dev, o.policy, pinned=pins)
+        shares = [PoolShare(r.servable, plan_of[r.layers], r.device) for r in pooled if r.servable]
+        experts = OffloadExperts(shares, o.policy, pinned=pins)
     if not experts.pinned:
         place.notes.append("expert memory could not be pinned: uploads are synchronous")
     return experts, strategy

@@ -44,13 +44,54 @@ def parse_tensor_split(text: str) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Contiguous layer ranges, one per GPU that holds layers, in layer order, with each GPU's
-    share of the expert cache in MiB (None: what fits there) and the GPU of the output layer."""
+    """Contiguous layer ranges in layer order, each with its GPU and its share of the expert
+    cache in MiB (None: what fits there), and the GPU of the output layer (the final norm and
+    projection; the embedding is on the first range's GPU).
+
+    :func:`plan_split` makes one from the flags; a plan given to placement as it is
+    (``EngineOptions.split_plan``, ``place_on_gpu(split_plan=...)``) may also name one GPU
+    for several ranges: each range then still has pools of its own, and everything runs
+    as over several GPUs but for the copies between them."""
 
     devices: tuple[int, ...]
     ranges: tuple[range, ...]
     cache_mib: tuple[int | None, ...]
     output_device: int
+
+    def check(self, n_layers: int, n_gpus: int) -> None:
+        """InvalidInputError unless the ranges cover layers ``0..n_layers-1`` in order, none
+        empty, and every GPU index (and each cache share) is valid on a host of ``n_gpus``."""
+        if not self.ranges or not (len(self.devices) == len(self.ranges) == len(self.cache_mib)):
+            raise InvalidInputError(
+                f"a split plan needs one GPU and one cache share per range ({len(self.ranges)} "
+                f"ranges, {len(self.devices)} GPUs, {len(self.cache_mib)} shares)"
+            )
+        at = 0
+        for r in self.ranges:
+            if r.step != 1 or r.start != at or r.stop <= r.start:
+                raise InvalidInputError(
+                    f"split plan ranges {[(q.start, q.stop) for q in self.ranges]}: each must "
+                    f"start where the one before ended, from layer 0, and hold a layer"
+                )
+            at = r.stop
+        if at != n_layers:
+            raise InvalidInputError(f"the split plan covers {at} of the {n_layers} layers")
+        for d in (*self.devices, self.output_device):
+            if not 0 <= d < n_gpus:
+                raise InvalidInputError(
+                    f"the split plan names GPU {d}: this host has {n_gpus} (0-{n_gpus - 1})"
+                )
+        if any(m is not None and m < 0 for m in self.cache_mib):
+            raise InvalidInputError(f"split plan cache shares {self.cache_mib} must be >= 0")
+
+    def layer_devices(self) -> tuple[int, ...]:
+        """Each repeating layer's GPU, in layer order."""
+        return tuple(d for d, r in zip(self.devices, self.ranges, strict=True) for _ in r)
+
+    @property
+    def several_devices(self) -> bool:
+        """Whether the layers and the output layer are on more than one GPU."""
+        return len({*self.devices, self.output_device}) > 1
 
     def device_of(self, layer: int) -> int:
         """The GPU of repeating layer ``layer``."""

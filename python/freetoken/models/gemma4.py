@@ -219,8 +219,10 @@ def _check_shared_kv(cfg: ModelConfig) -> None:
 class Gemma4Transformer(Transformer):
     """The Gemma 4 decoder (module docstring)."""
 
-    #: Model attributes beyond the Transformer's that GPU placement moves.
-    gpu_parts = ("per_layer", "layer_extras")
+    #: Model attributes beyond the Transformer's that GPU placement moves: beside the first
+    #: layers, and (lists of one entry per layer) each entry beside its layer.
+    gpu_parts = ("per_layer",)
+    gpu_layer_parts = ("layer_extras",)
 
     def __init__(
         self,
@@ -252,9 +254,11 @@ class Gemma4Transformer(Transformer):
         x = self.embed(tokens) * math.sqrt(self.cfg.hidden)
         inputs = self.per_layer(tokens, x, eps) if self.per_layer is not None else None
         for i, blk in enumerate(self.blocks):
-            x = self._layer(i, blk, x, step)
-            x = self.layer_extras[i](x, None if inputs is None else inputs[:, i], eps)
-        return self._head(x, rows)
+            x, at = self._enter(i, x, step)
+            x = self._layer(i, blk, x, at)
+            x = self.layer_extras[i](x, None if inputs is None else inputs[:, i].to(x.device), eps)
+        x, _ = self._enter(None, x, step)
+        return self._head(x, None if rows is None else rows.to(x.device))
 
     def _layer(self, i: int, blk: Block, x: torch.Tensor, step: Step) -> torch.Tensor:
         eps = self.cfg.norm_eps

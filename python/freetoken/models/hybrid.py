@@ -227,6 +227,7 @@ class HybridTransformer(Transformer):
     def new_cache(self, n_ctx: int, max_step: int = 0) -> HybridCache:
         """An empty cache for one sequence of up to ``n_ctx`` tokens (``max_step`` does not
         apply: these models have no sliding-window layers)."""
+        devs = self.layer_devices or ()
         return HybridCache(
             self.n_attn_layers,
             n_ctx,
@@ -234,6 +235,8 @@ class HybridTransformer(Transformer):
             state_shapes=self._state_shapes(),
             device=self.device,
             v_transposed=self.device.type == "cuda",
+            kv_devices=[d for d, rec in zip(devs, self.recurrent, strict=False) if not rec],
+            state_devices=[d for d, rec in zip(devs, self.recurrent, strict=False) if rec],
         )
 
     def _rope_tables(
@@ -241,8 +244,9 @@ class HybridTransformer(Transformer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super()._rope_tables(x, step, blk, n_rot, False)
         if self.rope_mask is not None:
-            cos = torch.where(self.rope_mask, cos, torch.ones_like(cos))
-            sin = torch.where(self.rope_mask, sin, torch.zeros_like(sin))
+            mask = self.rope_mask.to(cos.device)  # the embedding's device: the first layers'
+            cos = torch.where(mask, cos, torch.ones_like(cos))
+            sin = torch.where(mask, sin, torch.zeros_like(sin))
         if whole:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         return cos, sin

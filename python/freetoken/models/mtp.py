@@ -59,7 +59,7 @@ class MtpHead:
         name = p + "shared_head_head"
         own = name + ".weight" in gguf
         self.head = Linear(gguf, name, (v, h)) if own else model.output
-        self.head_device = torch.device("cpu") if own else model.device
+        self.head_device = torch.device("cpu") if own else model.output_device
         name = p + "embed_tokens.weight"
         self.embed = Embedding(gguf, name if name in gguf else "token_embd.weight", v, h)
         self.block = model.mtp_block(gguf, i)

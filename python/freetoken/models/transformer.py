@@ -366,8 +366,13 @@ class Transformer:
         out_name = "output" if "output.weight" in gguf else "token_embd"
         self.output = Linear(gguf, out_name, (cfg.vocab_size, cfg.hidden))
 
-    #: Where the model's tensors live (set by GPU placement).
+    #: Where the model's tensors live (set by GPU placement): with the layers split over
+    #: several GPUs, the first layers' device (the embedding, token ids and positions).
     device = torch.device("cpu")
+    #: Each layer's device where placement split the layers over several GPUs (None: all on
+    #: :attr:`device`); the output norm and projection are then on :attr:`output_device`.
+    layer_devices: tuple[torch.device, ...] | None = None
+    output_device = torch.device("cpu")
     #: Decode steps as CUDA graphs (set by GPU placement when every layer can be captured).
     graphs: GraphDecoder | None = None
     #: Sliding-window layers keep every position in CPU caches too (``--swa-full``).
@@ -426,6 +431,7 @@ class Transformer:
             v_transposed=dev.type == "cuda",
             windows=windows if dev.type == "cpu" and not self.swa_full else (),
             max_step=max_step,
+            devices=self.layer_devices or (),
         )
 
     def forward(self, tokens: list[int], cache: KVCache, all_logits: bool = False) -> torch.Tensor:
@@ -539,8 +545,23 @@ class Transformer:
         if self.feat.embed_scale:
             x = x * math.sqrt(self.cfg.hidden)
         for i, blk in enumerate(self.blocks):
-            x = self._layer(i, blk, x, step)
-        return self._head(x, rows, step)
+            x, at = self._enter(i, x, step)
+            x = self._layer(i, blk, x, at)
+        x, at = self._enter(None, x, step)
+        logits = self._head(x, None if rows is None else rows.to(x.device), at)
+        step.take_hidden(at)
+        return logits
+
+    def _enter(self, i: int | None, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, Step]:
+        """The activation ``x`` and ``step`` as layer ``i`` (None: the output layer) reads
+        them: unchanged but where the layers are split over several GPUs and ``i`` is on
+        another device than ``x``; then ``x`` is copied there (on both devices' current
+        streams, which torch orders) and the step is that device's (:meth:`Step.on`)."""
+        devs = self.layer_devices
+        if devs is None:
+            return x, step
+        dev = self.output_device if i is None else devs[i]
+        return (x if x.device == dev else x.to(dev, non_blocking=True)), step.on(dev)
 
     def _head(
         self, x: torch.Tensor, rows: torch.Tensor | None, step: Step | None = None

@@ -35,7 +35,11 @@ class KVCache:
     :meth:`first_key` on, and attention computes on the same tensors as with a full cache
     (``layers.attention`` leaves out the keys before a step's first window either way).
     Rings are for caches on the CPU: the GPU's captured decode steps index positions
-    directly."""
+    directly.
+
+    ``devices`` gives each layer's device where the layers are split over several GPUs
+    (each layer's keys and values live beside its weights); else every layer is on
+    ``device``."""
 
     #: A verify step (speculative decoding) is running: caches with state that cannot be
     #: cut back keep checkpoints for :meth:`rewind` (runtime/recurrent_cache.py).
@@ -53,7 +57,10 @@ class KVCache:
         v_transposed: bool = False,
         windows: Sequence[int] = (),
         max_step: int = 0,
+        devices: Sequence[torch.device] = (),
     ) -> None:
+        if devices and len(devices) != n_layers:
+            raise InvalidInputError(f"{len(devices)} devices for a cache of {n_layers} layers")
         self.n_ctx = n_ctx
         self.v_transposed = v_transposed
         self.max_step = max_step
@@ -70,9 +77,10 @@ class KVCache:
         for i, r in enumerate(self.ring):
             n = 2 * r or n_ctx
             heads, dk, dv = _of(n_kv_heads, i), _of(head_dim_k, i), _of(head_dim_v, i)
-            self.k.append(torch.zeros(n, heads, dk, dtype=dtype, device=device))
+            dev = devices[i] if devices else device
+            self.k.append(torch.zeros(n, heads, dk, dtype=dtype, device=dev))
             v_shape = (heads, dv, n) if v_transposed else (n, heads, dv)
-            self.v.append(torch.zeros(v_shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(v_shape, dtype=dtype, device=dev))
         self.length = 0
 
     def reserve(self, n_new: int) -> int:

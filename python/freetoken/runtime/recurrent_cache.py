@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from freetoken.errors import InvalidInputError
 from freetoken.runtime.kv_cache import KVCache
 
 __all__ = ["MAX_SNAPSHOTS", "HybridCache"]
@@ -32,7 +33,9 @@ MAX_SNAPSHOTS = 4
 
 class HybridCache(KVCache):
     """A :class:`KVCache` over the full-attention layers plus per linear-attention layer a
-    conv state ``conv[i]`` and a delta-rule state ``ssm[i]`` (float32, zeros when empty)."""
+    conv state ``conv[i]`` and a delta-rule state ``ssm[i]`` (float32, zeros when empty).
+    ``kv_devices`` and ``state_devices`` give each attention and each recurrent layer its
+    device where the layers are split over several GPUs (else all are on ``device``)."""
 
     def __init__(
         self,
@@ -45,6 +48,8 @@ class HybridCache(KVCache):
         device: torch.device | str = "cpu",
         max_snapshots: int = MAX_SNAPSHOTS,
         v_transposed: bool = False,
+        kv_devices: Sequence[torch.device] = (),
+        state_devices: Sequence[torch.device] = (),
     ) -> None:
         super().__init__(
             n_attn_layers,
@@ -54,9 +59,15 @@ class HybridCache(KVCache):
             head_dim_v,
             device=device,
             v_transposed=v_transposed,
+            devices=kv_devices,
         )
-        self.conv = [torch.zeros(c, device=device) for c, _ in state_shapes]
-        self.ssm = [torch.zeros(s, device=device) for _, s in state_shapes]
+        if state_devices and len(state_devices) != len(state_shapes):
+            raise InvalidInputError(
+                f"{len(state_devices)} devices for {len(state_shapes)} recurrent layers"
+            )
+        devs: list[torch.device | str] = list(state_devices) or [device] * len(state_shapes)
+        self.conv = [torch.zeros(c, device=d) for (c, _), d in zip(state_shapes, devs, strict=True)]
+        self.ssm = [torch.zeros(s, device=d) for (_, s), d in zip(state_shapes, devs, strict=True)]
         self.max_snapshots = max_snapshots
         #: Length -> copies of (conv, ssm) at that length, oldest first.
         self._snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}

@@ -1,5 +1,6 @@
 """What the layers of one forward pass share: each sequence's rows of the batch (:class:`Span`)
-and the step's positions, RoPE tables and masks (:class:`Step`)."""
+and the step's positions, RoPE tables and masks (:class:`Step`), per device when the layers
+are split over several GPUs (:meth:`Step.on`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,34 @@ class Step:
     kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     keep_hidden: bool = False
     hidden: torch.Tensor | None = None
+    #: The step as the layers on other devices see it (:meth:`on`), by device.
+    views: dict[torch.device, Step] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> Step:
+        """The step for layers on ``device``: itself where its positions are, else (once per
+        step and device) a step with the positions and the spans' tensor starts copied there,
+        RoPE tables and masks of its own (they are made on the layers' device) and the same
+        spans' caches and shared keys and values. The output layer's view gets the final
+        hidden state; :meth:`take_hidden` brings it back."""
+        if device == self.pos.device:
+            return self
+        view = self.views.get(device)
+        if view is None:
+            spans = [
+                Span(
+                    sp.start.to(device) if isinstance(sp.start, torch.Tensor) else sp.start,
+                    sp.n,
+                    sp.cache,
+                    sp.n_keys,
+                )
+                for sp in self.spans
+            ]
+            pos = self.pos.to(device, non_blocking=True)
+            view = Step(pos, spans, kv=self.kv, keep_hidden=self.keep_hidden)
+            self.views[device] = view
+        return view
+
+    def take_hidden(self, view: Step) -> None:
+        """Keeps the final hidden state that ``view`` (one of :meth:`on`'s) got."""
+        if view is not self:
+            self.hidden = view.hidden
