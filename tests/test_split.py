@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from freetoken.engine.options import EngineOptions
-from freetoken.engine.split import parse_tensor_split, plan_split
+from freetoken.engine.split import SplitPlan, parse_tensor_split, plan_split
 from freetoken.errors import InvalidInputError, UnsupportedError
 
 
@@ -126,3 +127,140 @@ def test_cli_bad_split_flags_one_line_exit_2(flags: list[str], match: str) -> No
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], r.stderr
+
+
+# -- a plan given as it is, and the bookkeeping of its execution (no GPU needed) ----------
+
+
+def _two_on_gpu0() -> SplitPlan:
+    return SplitPlan((0, 0), (range(0, 3), range(3, 5)), (None, 2), 0)
+
+
+def test_a_given_plan_may_name_one_gpu_twice() -> None:
+    plan = _two_on_gpu0()
+    plan.check(5, 1)
+    assert plan.layer_devices() == (0, 0, 0, 0, 0)
+    assert not plan.several_devices
+    assert SplitPlan((1, 0), (range(2), range(2, 4)), (None, None), 1).layer_devices() == (
+        1,
+        1,
+        0,
+        0,
+    )
+    assert SplitPlan((0, 0), (range(2), range(2, 4)), (None, None), 1).several_devices
+
+
+@pytest.mark.parametrize(
+    ("plan", "n_gpus", "match"),
+    [
+        (SplitPlan((0,), (range(4),), (None,), 0), 1, "covers 4 of the 5 layers"),
+        (SplitPlan((0, 0), (range(3), range(4, 5)), (None, None), 0), 1, "each must start"),
+        (SplitPlan((0, 0), (range(1, 3), range(3, 5)), (None, None), 0), 1, "each must start"),
+        (SplitPlan((0, 0), (range(0), range(0, 5)), (None, None), 0), 1, "each must start"),
+        (SplitPlan((0, 2), (range(3), range(3, 5)), (None, None), 0), 2, "names GPU 2"),
+        (SplitPlan((0, 1), (range(3), range(3, 5)), (None, None), 2), 2, "names GPU 2"),
+        (SplitPlan((0,), (range(3), range(3, 5)), (None, None), 0), 1, "one GPU and one cache"),
+        (SplitPlan((0, 0), (range(3), range(3, 5)), (None, -1), 0), 1, "must be >= 0"),
+    ],
+)
+def test_a_given_plan_is_checked(plan: SplitPlan, n_gpus: int, match: str) -> None:
+    with pytest.raises(InvalidInputError, match=match):
+        plan.check(5, n_gpus)
+
+
+def test_engine_options_take_a_plan_instead_of_the_split_flags() -> None:
+    plan = _two_on_gpu0()
+    assert EngineOptions(split_plan=plan).split_plan is plan
+    with pytest.raises(InvalidInputError, match="no --split-mode or --tensor-split"):
+        EngineOptions(split_plan=plan, tensor_split=(1.0,))
+    with pytest.raises(InvalidInputError, match="no --split-mode or --tensor-split"):
+        EngineOptions(split_plan=plan, split_mode="layer")
+
+
+def test_each_layer_cache_on_its_device() -> None:
+    # The meta device stands in for a second GPU: tensors with a device and no data.
+    from freetoken.runtime.kv_cache import KVCache
+    from freetoken.runtime.recurrent_cache import HybridCache
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    cache = KVCache(3, 8, 2, 4, 4, devices=[cpu, cpu, meta])
+    assert [k.device for k in cache.k] == [cpu, cpu, meta]
+    assert [v.device for v in cache.v] == [cpu, cpu, meta]
+    with pytest.raises(InvalidInputError, match="2 devices for a cache of 3 layers"):
+        KVCache(3, 8, 2, 4, 4, devices=[cpu, meta])
+    states = [((2, 3), (2, 4, 4))] * 3
+    hybrid = HybridCache(1, 8, 2, 4, 4, states, kv_devices=[meta], state_devices=[cpu, meta, meta])
+    assert hybrid.k[0].device == meta
+    assert [c.device for c in hybrid.conv] == [cpu, meta, meta]
+    assert [s.device for s in hybrid.ssm] == [cpu, meta, meta]
+    plain = HybridCache(1, 8, 2, 4, 4, states)
+    assert {t.device for t in (*plain.k, *plain.conv, *plain.ssm)} == {cpu}
+
+
+def test_step_views_per_device() -> None:
+    from freetoken.runtime.kv_cache import KVCache
+    from freetoken.runtime.step import Span, Step
+
+    cache = KVCache(1, 8, 1, 4, 4)
+    pos = torch.arange(3)
+    step = Step(pos, [Span(pos[:2], 2, cache, 8), Span(5, 1, cache)], keep_hidden=True)
+    assert step.on(torch.device("cpu")) is step  # its own device: itself
+    meta = torch.device("meta")
+    view = step.on(meta)
+    assert step.on(meta) is view  # once per step and device
+    assert view.pos.device == meta and view.kv is step.kv and view.keep_hidden
+    assert view.rope is not step.rope and view.masks is not step.masks
+    first, second = view.spans
+    assert isinstance(first.start, torch.Tensor) and first.start.device == meta
+    assert (first.n, first.cache, first.n_keys) == (2, cache, 8)
+    assert second.start == 5 and second.cache is cache
+    view.hidden = torch.zeros(3, 4, device=meta)
+    step.take_hidden(view)
+    assert step.hidden is view.hidden
+    step.take_hidden(step)
+    assert step.hidden is view.hidden
+
+
+def test_handoff_sequence_continues_across_devices() -> None:
+    # The hand-off's requests are one sequence for the CPU thread: a device's first request
+    # after another device's starts from that device's count. Keys stand in for devices.
+    from freetoken.engine.hybrid import HybridExperts
+
+    h = HybridExperts.__new__(HybridExperts)
+    h.counters = {"a": torch.zeros(1, dtype=torch.int64), "b": torch.zeros(1, dtype=torch.int64)}
+    h.last_counter = None
+
+    def request(dev: str) -> int:
+        counter = h._counter(dev)  # type: ignore[arg-type]
+        counter += 1  # what a request does on the device
+        return int(counter)
+
+    assert [request(d) for d in "aabab"] == [1, 2, 3, 4, 5]
+    assert [request(d) for d in "bba"] == [6, 7, 8]
+
+
+def test_the_placement_log_shows_the_split() -> None:
+    from freetoken.engine.placement import Placement
+
+    place = Placement("hybrid", "quant", torch.device("cuda", 0), split=_two_on_gpu0())
+    place.range_bytes = [(300 << 20, 2 << 20), (200 << 20, 1 << 20)]
+    lines = place.describe().splitlines()
+    assert "  GPU 0: layers 0-2, 300 MiB dense + 2 MiB expert cache" in lines
+    assert "  GPU 0: layers 3-4, 200 MiB dense + 1 MiB expert cache" in lines
+    assert "  GPU 0: output norm and projection" in lines
+    one = Placement("gpu", "quant", torch.device("cuda", 0), split=plan_split(5, 1))
+    assert len(one.describe().splitlines()) == 1  # one range: no split lines
+
+
+def test_ranges_see_their_moe_layers() -> None:
+    from types import SimpleNamespace
+
+    from freetoken.engine.placement import _ranges
+
+    moe = [SimpleNamespace(index=i) for i in (1, 2, 3, 4)]
+    rs = _ranges(_two_on_gpu0(), moe, moe[1:3])  # type: ignore[arg-type]
+    assert [r.layers for r in rs] == [range(3), range(3, 5)]
+    assert [[ex.index for ex in r.moe] for r in rs] == [[1, 2], [3, 4]]
+    assert [[ex.index for ex in r.servable] for r in rs] == [[2], [3]]
+    assert [r.cache_mib for r in rs] == [None, 2]
+    assert rs[1].tag == "GPU 0, layers 3-4: "

@@ -791,7 +791,8 @@ class Transformer:
                 if self.cfg.shared_kv_layers:
                     step.kv[(s, layer)] = (k_all, v_all)
             else:
-                k_all, v_all = step.kv[(s, src)]
+                # The source layer may be on another GPU of a split: its keys come over.
+                k_all, v_all = (t.to(q.device) for t in step.kv[(s, src)])
             if n == 1 and gpu.attn_decode_fits(q[row], k_all, v_all, sinks):
                 # A decode step: one kernel instead of a scale, a mask and two products.
                 out = gpu.attn_decode(
