@@ -264,3 +264,30 @@ def test_ranges_see_their_moe_layers() -> None:
     assert [[ex.index for ex in r.servable] for r in rs] == [[2], [3]]
     assert [r.cache_mib for r in rs] == [None, 2]
     assert rs[1].tag == "GPU 0, layers 3-4: "
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+def test_layer_devices_on_one_device_change_nothing(
+    arch: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Per-layer devices that are all the model's own: the caches are laid out per layer, the
+    # step enters each layer's device (itself) and the logits are the plain run's, bit for bit.
+    from freetoken.engine.options import EngineOptions as Options
+    from freetoken.llm import LLM
+    from synthetic import build_models
+
+    spec = dict(arch=arch, head_dim=64, experts=8, top_k=2, expert_ffn=128, quant="q8_0")
+    base = dict(layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, seed=3)
+    path = build_models({arch: spec}, base, tmp_path_factory.mktemp("split-cpu"))[arch]
+    llm = LLM(path, n_ctx=64, engine=Options(device="cpu"))
+    seq = llm.tokenize("The capital of France is")
+    want = llm.logits(seq).numpy()
+    model = llm.model
+    cpu = torch.device("cpu")
+    model.layer_devices, model.output_device = (cpu,) * model.cfg.n_layers, cpu
+    cache = model.new_cache(64)
+    assert all(k.device == cpu for k in cache.k)
+    assert (llm.logits(seq).numpy() == want).all()
+    one = [model.forward(seq[:-1], cache, all_logits=True)]
+    one.append(model.forward(seq[-1:], cache)[None])
+    assert (torch.cat(one).numpy() == want).all()
