@@ -8,9 +8,10 @@ On one GPU, two and three ranges on that GPU run everything a split does but the
 between GPUs: a pool per range within its share of the cache (``offload`` and ``hybrid``
 with 1 MiB a range, fewer slots than one layer's experts; ``gpu`` within the free memory
 divided by expert bytes), per-layer cache devices, and one hand-off serving every range's
-layers; decode steps stay one CUDA graph, as on one range. With two GPUs or more, ranges on
-two of them (the output layer on the first range's GPU or not) run eagerly and match too;
-those tests skip on a host of one GPU.
+layers; decode steps stay one CUDA graph, as on one range, or (a staged decoder given the
+ranges as stages) one graph per range replayed in order with the activation copied between
+them. With two GPUs or more, ranges on two of them (the output layer on the first range's GPU
+or not) match too, decode steps a graph per GPU; those tests skip on a host of one GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ torch = pytest.importorskip("torch")
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.engine.split import SplitPlan  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
+from freetoken.runtime.cuda_graph import Stage, StagedGraphDecoder  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from test_gpu_models import PROMPTS, _check, _cpu_runs, _decode_logits  # noqa: E402
 
@@ -165,6 +167,24 @@ def test_one_range_plan_is_the_plain_placement(model_files: dict[str, Path]) -> 
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["gpu", "hybrid", "cpu"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_graph_per_stage_on_one_gpu(
+    name: str, strategy: str, model_files: dict[str, Path], cpu_runs: dict[str, Any]
+) -> None:
+    """The decoder of a step over several GPUs, given two ranges on one GPU as its stages:
+    each captured on its own side stream, replayed in order with the activation copied from
+    one stage's output into the next one's static input and the hand-off entered per stage."""
+    plan = _plan((0, 0), strategy)
+    llm = _llm(model_files[name], strategy, plan)
+    dev = torch.device("cuda", 0)
+    parts = [Stage(dev, r, j == len(plan.ranges) - 1) for j, r in enumerate(plan.ranges)]
+    llm.model.graphs = graphs = StagedGraphDecoder(llm.model, parts)
+    _matches_cpu(name, llm, cpu_runs[name])
+    assert graphs.graphs, "no decode graph ran"
+    assert all(len(e.stage_graphs) == 2 for e in graphs.graphs.values())  # type: ignore[attr-defined]
+
+
 @TWO_GPUS
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", list(MODELS))
@@ -172,14 +192,19 @@ def test_two_gpus_match_cpu(
     name: str, strategy: str, model_files: dict[str, Path], cpu_runs: dict[str, Any]
 ) -> None:
     """Ranges on GPUs 1 and 0 (the embedding on 1), the output layer back on GPU 1: two
-    boundaries a step, eager steps, one hand-off whose requests alternate devices."""
+    boundaries a step, one hand-off whose requests alternate devices, decode steps three
+    graphs (GPU 1, GPU 0, GPU 1) replayed in order."""
     plan = _plan((1, 0), strategy, output=1)
     llm = _llm(model_files[name], strategy, plan)
     place = llm.placement
     assert place is not None and place.strategy == strategy
-    assert not place.graphs, place.describe()
+    assert place.graphs == (strategy != "offload"), place.describe()
     _check_layout(llm, plan)
     _matches_cpu(name, llm, cpu_runs[name])
+    if place.graphs:
+        graphs = llm.model.graphs
+        assert isinstance(graphs, StagedGraphDecoder) and graphs.graphs, "no decode graph ran"
+        assert [st.device.index for st in graphs.stages] == [1, 0, 1]
     del llm
     gc.collect()
 

@@ -291,3 +291,25 @@ def test_layer_devices_on_one_device_change_nothing(
     one = [model.forward(seq[:-1], cache, all_logits=True)]
     one.append(model.forward(seq[-1:], cache)[None])
     assert (torch.cat(one).numpy() == want).all()
+
+
+def test_stages_are_runs_of_one_device() -> None:
+    from freetoken.runtime.cuda_graph import Stage, stages
+
+    g0, g1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert stages([g0, g0, g1, g1], g1) == [
+        Stage(g0, range(0, 2), False),
+        Stage(g1, range(2, 4), True),
+    ]
+    # The output layer on another GPU than the last layers: a stage of its own.
+    assert stages([g1, g1, g0, g0], g1) == [
+        Stage(g1, range(0, 2), False),
+        Stage(g0, range(2, 4), False),
+        Stage(g1, range(4, 4), True),
+    ]
+    assert stages([g0, g1, g0], g0) == [
+        Stage(g0, range(0, 1), False),
+        Stage(g1, range(1, 2), False),
+        Stage(g0, range(2, 3), True),
+    ]
+    assert stages([g0] * 3, g0) == [Stage(g0, range(3), True)]

@@ -434,12 +434,18 @@ class HybridExperts(OffloadExperts):
         gpu.handoff_wait_add(counter, self.block, v["out"][:t], out, TIMEOUT_S)
         return out
 
+    def enter(self, device: torch.device) -> None:
+        """Before a captured stage on ``device`` (its capture or replay): the device's
+        counter takes the latest count now, so the stage's graph holds no copy of it."""
+        self._counter(device)
+
     def _counter(self, dev: torch.device) -> torch.Tensor:
         """The sequence counter for a request from ``dev``: after another device's request
         it first takes that device's count (on both current streams, which torch orders
         after the other device's wait for its answer), so that the requests of all devices
-        form the one sequence the CPU thread answers. A replayed graph runs on one device,
-        where no copy is made."""
+        form the one sequence the CPU thread answers. A captured graph holds no copy: a graph
+        of a whole step is on one device, and each stage of a step over several devices is
+        entered (:meth:`enter`) before it is captured or replayed."""
         counter = self.counters[dev]
         last = self.last_counter
         if last is not None and last is not counter:

@@ -15,8 +15,9 @@ With the layers split over several GPUs (:mod:`freetoken.engine.split`) each ran
 their KV cache and recurrent state and their expert pools (within the range's share of the
 cache) go to the range's GPU; the embedding goes to the first range's, the output norm and
 projection to the plan's output GPU, and a step copies its activations once per boundary
-between GPUs. Decode graphs are captured per device, so they run only when every range and
-the output layer are on one GPU; steps over several GPUs run eagerly.
+between GPUs. A CUDA graph is captured on one device, so a decode step over several GPUs is
+a graph per stage (the layers of one GPU in a row), replayed in order with the copies between
+them (:class:`~freetoken.runtime.cuda_graph.StagedGraphDecoder`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
 from freetoken.runtime import gpu
-from freetoken.runtime.cuda_graph import MAX_SPAN, GraphDecoder
+from freetoken.runtime.cuda_graph import MAX_SPAN, GraphDecoder, StagedGraphDecoder
 from freetoken.runtime.moe import MoeContext, MoeFFN
 from freetoken.runtime.slots import CachePlan, plan_pools
 
@@ -368,17 +369,21 @@ def place_on_gpu(
         model.layer_devices = tuple(torch.device("cuda", d) for d in plan.layer_devices())
     model.step_hook = experts if isinstance(experts, HybridExperts) else None
     # Graphs need steps that never wait for Python: no CPU-only experts, no on-demand uploads
-    # (hybrid's CPU half answers inside the graph), no inputs read on the host; and one
-    # device (a CUDA graph is captured on one).
+    # (hybrid's CPU half answers inside the graph), no inputs read on the host; over several
+    # GPUs, a pass that stages can capture (a CUDA graph is captured on one device).
+    staged = plan.several_devices
     place.graphs = (
         not place.cpu_layers
         and not getattr(model, "host_inputs", False)
         and (not layers or isinstance(experts, (ResidentExperts, HybridExperts)))
-        and not plan.several_devices
+        and (not staged or model.staged_graphs)
     )
-    if plan.several_devices:
-        place.notes.append("decode graphs off: the layers are on several GPUs (steps run eagerly)")
-    model.graphs = GraphDecoder(model) if place.graphs else None
+    if staged and not model.staged_graphs:
+        place.notes.append(f"decode graphs off: {model.cfg.arch}'s pass over several GPUs")
+    if place.graphs:
+        model.graphs = StagedGraphDecoder(model) if staged else GraphDecoder(model)
+    else:
+        model.graphs = None
     log.info("%s", place.describe())
     return place
 

@@ -223,6 +223,8 @@ class Gemma4Transformer(Transformer):
     #: layers, and (lists of one entry per layer) each entry beside its layer.
     gpu_parts = ("per_layer",)
     gpu_layer_parts = ("layer_extras",)
+    #: Its pass (:meth:`run`: the per-layer inputs and extras) is not :meth:`run_part`'s.
+    staged_graphs = False
 
     def __init__(
         self,

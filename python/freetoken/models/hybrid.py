@@ -115,6 +115,10 @@ class HybridBlock(Block):
     Transformer's RoPE helpers read; ``index`` is its layer among the cache's attention or
     recurrent layers."""
 
+    #: The RoPE pairs that rotate, None when all do (set by the Transformer: each layer holds
+    #: its own, which placement moves to the layer's GPU).
+    rope_mask: torch.Tensor | None = None
+
     def __init__(
         self,
         gguf: GGUFFile,
@@ -167,7 +171,7 @@ class HybridTransformer(Transformer):
                 f"at most the head size {cfg.head_dim}"
             )
         mask = rope_pairs(meta, arch, cfg.rope_dim, cfg.head_dim)
-        #: The pairs that rotate, None when all do (placement moves it with the model).
+        #: The pairs that rotate, None when all do (each block holds it too).
         self.rope_mask = None if mask is None or bool(mask.all()) else mask
         self.recurrent = recurrent_layers(meta, arch, cfg.n_layers)
         shape = DeltaNetShape.from_metadata(meta, arch, grouped) if any(self.recurrent) else None
@@ -178,9 +182,9 @@ class HybridTransformer(Transformer):
         for i in range(cfg.n_layers):
             rec = self.recurrent[i]
             index = n_rec if rec else n_attn
-            self.blocks.append(
-                HybridBlock(gguf, cfg, i, make_ffn, shape if rec else None, fused_ba, index)
-            )
+            blk = HybridBlock(gguf, cfg, i, make_ffn, shape if rec else None, fused_ba, index)
+            blk.rope_mask = self.rope_mask
+            self.blocks.append(blk)
             n_rec, n_attn = n_rec + rec, n_attn + (not rec)
             if progress:
                 progress(i + 1, cfg.n_layers)
@@ -200,7 +204,9 @@ class HybridTransformer(Transformer):
         """Layer ``i`` past the trunk (a multi-token-prediction layer): a gated
         full-attention block with the family's feed-forward, its keys and values in layer 0
         of its own cache."""
-        return HybridBlock(gguf, past_trunk(self.cfg, i), i, self.make_ffn, None, False, 0)
+        blk = HybridBlock(gguf, past_trunk(self.cfg, i), i, self.make_ffn, None, False, 0)
+        blk.rope_mask = self.rope_mask
+        return blk
 
     def mtp_kv_shape(self) -> tuple[int, int, int]:
         """(heads, key dims, value dims) per position of a multi-token-prediction layer's
@@ -243,8 +249,8 @@ class HybridTransformer(Transformer):
         self, x: torch.Tensor, step: Step, blk: Block, n_rot: int, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = super()._rope_tables(x, step, blk, n_rot, False)
-        if self.rope_mask is not None:
-            mask = self.rope_mask.to(cos.device)  # the embedding's device: the first layers'
+        mask = blk.rope_mask if isinstance(blk, HybridBlock) else None
+        if mask is not None:
             cos = torch.where(mask, cos, torch.ones_like(cos))
             sin = torch.where(mask, sin, torch.zeros_like(sin))
         if whole:

@@ -53,6 +53,11 @@ class StepHook(Protocol):
 
     def end(self) -> None: ...
 
+    def enter(self, device: torch.device) -> None:
+        """Before work on ``device`` that a captured stage of the step replays, after work
+        on another device (the layers split over several GPUs)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Features:
@@ -380,6 +385,9 @@ class Transformer:
     #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
     #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
     step_hook: StepHook | None = None
+    #: Whether a step over several GPUs can be captured stage by stage: :meth:`run_part` is
+    #: the family's whole pass (a family with a pass of its own sets False).
+    staged_graphs = True
 
     def mtp_block(self, gguf: GGUFFile, i: int) -> Block:
         """Layer ``i`` past the trunk (a multi-token-prediction layer) as a full-attention
@@ -541,16 +549,39 @@ class Transformer:
         ``step``'s positions; logits of the ``rows`` given, or of every token. Nothing here
         reads a tensor back to the host on the GPU path, so a decode step can be captured as
         a CUDA graph."""
-        x = self.embed(tokens)
-        if self.feat.embed_scale:
-            x = x * math.sqrt(self.cfg.hidden)
-        for i, blk in enumerate(self.blocks):
+        return self.run_part(tokens, step, range(len(self.blocks)), rows, head=True)
+
+    def run_part(
+        self,
+        x: torch.Tensor,
+        step: Step,
+        layers: range,
+        rows: torch.Tensor | None = None,
+        head: bool = True,
+    ) -> torch.Tensor:
+        """Part of :meth:`run` (a stage of a step over several GPUs, captured on its GPU):
+        from token ids where ``layers`` starts at layer 0 (the embedding first), else from
+        the activation entering ``layers``; through ``layers``; then, with ``head``, the
+        output layer's logits of ``rows`` (as :meth:`run`), else the activation after."""
+        if layers.start == 0:
+            x = self.embed(x)
+            if self.feat.embed_scale:
+                x = x * math.sqrt(self.cfg.hidden)
+        for i in layers:
             x, at = self._enter(i, x, step)
-            x = self._layer(i, blk, x, at)
+            x = self._layer(i, self.blocks[i], x, at)
+        if not head:
+            return x
         x, at = self._enter(None, x, step)
         logits = self._head(x, None if rows is None else rows.to(x.device), at)
         step.take_hidden(at)
         return logits
+
+    def enter(self, device: torch.device) -> None:
+        """Before a stage of a captured step runs on ``device`` outside :meth:`run` (its
+        graph's capture or replay): the step hook's per-device state follows there."""
+        if self.step_hook is not None:
+            self.step_hook.enter(device)
 
     def _enter(self, i: int | None, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, Step]:
         """The activation ``x`` and ``step`` as layer ``i`` (None: the output layer) reads

@@ -11,6 +11,10 @@ set has come :data:`SETTLE_STEPS` steps in a row. So is a verify step of specula
 (a few tokens of one sequence, alone or beside others' decode tokens): a graph per verify
 length, with every row's logits and, for a multi-token-prediction head, every row's final
 hidden state.
+
+With the layers split over several GPUs a graph is captured per stage (the layers of one GPU
+in a row, :func:`stages`), each on its GPU, and a step replays them in order with the
+activations copied between them (:class:`StagedGraphDecoder`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import gc
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,7 +31,16 @@ import torch
 from freetoken.runtime.kv_cache import KVCache
 from freetoken.runtime.step import Span, Step
 
-__all__ = ["MAX_BATCH", "MAX_SPAN", "Decoder", "GraphDecoder"]
+__all__ = [
+    "MAX_BATCH",
+    "MAX_SPAN",
+    "Decoder",
+    "GraphDecoder",
+    "Stage",
+    "StagedDecoder",
+    "StagedGraphDecoder",
+    "stages",
+]
 
 #: Cached positions per bucket: a step attends over the next multiple of this.
 BUCKET = 256
@@ -93,6 +107,56 @@ class Decoder(Protocol):
     def device(self) -> torch.device: ...
 
     def run(self, tokens: torch.Tensor, step: Step, rows: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers in a row on one device, and whether the output layer ends them."""
+
+    device: torch.device
+    layers: range
+    head: bool
+
+
+def stages(layer_devices: Sequence[torch.device], output: torch.device) -> list[Stage]:
+    """A step's stages over the layers' devices: each run of consecutive layers on one
+    device, the output layer with the last when it is on the same device, else a stage of
+    its own (no layers)."""
+    out: list[Stage] = []
+    start = 0
+    for i in range(1, len(layer_devices) + 1):
+        if i == len(layer_devices) or layer_devices[i] != layer_devices[start]:
+            out.append(Stage(layer_devices[start], range(start, i), False))
+            start = i
+    last = out[-1]
+    if last.device == output:
+        out[-1] = Stage(last.device, last.layers, True)
+    else:
+        n = len(layer_devices)
+        out.append(Stage(output, range(n, n), True))
+    return out
+
+
+class StagedDecoder(Decoder, Protocol):
+    """A decoder whose layers are split over several devices: what
+    :class:`StagedGraphDecoder` captures stage by stage (``Transformer``)."""
+
+    @property
+    def layer_devices(self) -> tuple[torch.device, ...] | None: ...
+
+    @property
+    def output_device(self) -> torch.device: ...
+
+    def run_part(
+        self,
+        x: torch.Tensor,
+        step: Step,
+        layers: range,
+        rows: torch.Tensor | None = None,
+        head: bool = True,
+    ) -> torch.Tensor: ...
+
+    def enter(self, device: torch.device) -> None: ...
 
 
 class GraphDecoder:
@@ -195,18 +259,165 @@ class GraphDecoder:
         settled = self.settling.settled(key) or len(caches) == 1
         if (entry is None or not entry.serves(caches)) and not settled:
             return None
-        tok, pos = self._static(sum(lengths))
-        tok.copy_(torch.tensor([t for toks, _ in seqs for t in toks], dtype=torch.int64))
         at = [s + i for s, n in zip(starts, lengths, strict=True) for i in range(n)]
-        pos.copy_(torch.tensor(at, dtype=torch.int64))
+        self._fill([t for toks, _ in seqs for t in toks], at)
         if entry is None or not entry.serves(caches):
             # The warm-up passes write these positions' keys too: the replay rewrites them.
             entry = self.graphs[key] = self._capture(key, caches, n_keys, lengths, keep_hidden)
             while len(self.graphs) > MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        entry.graph.replay()
+        self._replay(entry)
         for c, n, kept in zip(caches, lengths, entry.kept, strict=True):
             c.restore_kept_steps(kept)
             c.commit(n)
         return entry.logits, entry.hidden
+
+    def _fill(self, tokens: list[int], positions: list[int]) -> None:
+        """The step's token ids and positions into the static inputs."""
+        tok, pos = self._static(len(tokens))
+        tok.copy_(torch.tensor(tokens, dtype=torch.int64))
+        pos.copy_(torch.tensor(positions, dtype=torch.int64))
+
+    def _replay(self, entry: _Entry) -> None:
+        entry.graph.replay()
+
+
+class _StagedEntry(_Entry):
+    """A captured step over several devices: a graph per stage, each stage's output (the
+    next one's input is copied from it) and the graphs' order."""
+
+    def __init__(
+        self,
+        graphs: list[torch.cuda.CUDAGraph],
+        outs: list[torch.Tensor],
+        hidden: torch.Tensor | None,
+        caches: Sequence[KVCache],
+        drop: Callable[[object], None],
+    ) -> None:
+        super().__init__(graphs[0], outs[-1], hidden, caches, drop)
+        self.stage_graphs, self.outs = graphs, outs
+
+
+class StagedGraphDecoder(GraphDecoder):
+    """:class:`GraphDecoder` for a model whose layers are split over several devices: each
+    stage (:func:`stages`) captured on its device's side stream, with static positions and
+    (past the first) a static input activation there; a step replays the stages in order,
+    copying each stage's output into the next one's input and entering each device first
+    (``model.enter``: the hybrid hand-off's sequence counter follows). ``parts`` are the
+    stages where not :func:`stages` of the model's devices (any cut of the layers in order,
+    the last with the output layer: several stages on one device run the same way but for
+    the copies between devices)."""
+
+    def __init__(self, model: StagedDecoder, parts: Sequence[Stage] | None = None) -> None:
+        super().__init__(model)
+        self.staged = model
+        devs = model.layer_devices
+        assert devs is not None, "a staged decoder needs the layers' devices"
+        self.stages = list(parts) if parts is not None else stages(devs, model.output_device)
+        self.streams = [self.stream] + [torch.cuda.Stream(st.device) for st in self.stages[1:]]
+        # Per stage past the first and token count: its positions and input activation.
+        self.stage_pos: dict[tuple[int, int], torch.Tensor] = {}
+        self.carries: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _stage_static(self, k: int, n: int) -> torch.Tensor:
+        """Stage ``k``'s positions for ``n`` tokens (the first stage's are the inputs')."""
+        if k == 0:
+            return self._static(n)[1]
+        if (k, n) not in self.stage_pos:
+            dev = self.stages[k].device
+            self.stage_pos[(k, n)] = torch.zeros(n, dtype=torch.int64, device=dev)
+        return self.stage_pos[(k, n)]
+
+    def _carry(self, k: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``k``'s static input: ``x`` (the stage before's output) copied there."""
+        buf = self.carries.get((k, x.shape[0]))
+        if buf is None:
+            buf = torch.empty(x.shape, dtype=x.dtype, device=self.stages[k].device)
+            self.carries[(k, x.shape[0])] = buf
+        buf.copy_(x)
+        return buf
+
+    def _fill(self, tokens: list[int], positions: list[int]) -> None:
+        super()._fill(tokens, positions)
+        at = torch.tensor(positions, dtype=torch.int64)
+        for k in range(1, len(self.stages)):
+            self._stage_static(k, len(tokens)).copy_(at)
+
+    def _stage_forward(
+        self,
+        k: int,
+        x: torch.Tensor,
+        caches: Sequence[KVCache],
+        n_keys: Sequence[int],
+        lengths: Sequence[int],
+        keep_hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage ``k`` of the step from ``x`` (token ids, or its input activation), on the
+        current stream, with its device's positions."""
+        pos = self._stage_static(k, sum(lengths))
+        spans, at = [], 0
+        for c, nk, n in zip(caches, n_keys, lengths, strict=True):
+            spans.append(Span(pos[at : at + n], n, c, nk))
+            at += n
+        step = Step(pos, spans, keep_hidden=keep_hidden)
+        st = self.stages[k]
+        return self.staged.run_part(x, step, st.layers, None, st.head), step.hidden
+
+    def _capture(
+        self,
+        key: _Key,
+        caches: Sequence[KVCache],
+        n_keys: Sequence[int],
+        lengths: Sequence[int],
+        keep_hidden: bool,
+    ) -> _Entry:
+        # As GraphDecoder's: two warm-up passes, stage by stage on the stages' side streams
+        # (ggml-cuda's per-stream scratch exists before capture), the recurrent states they
+        # advanced put back, then each stage captured on its side stream.
+        restores = [c.checkpoint() for c in caches]
+        tokens = self._static(sum(lengths))[0]
+        for _ in range(2):
+            x = tokens
+            for k, (st, stream) in enumerate(zip(self.stages, self.streams, strict=True)):
+                x = self._carry(k, x) if k else x
+                self.staged.enter(st.device)
+                stream.wait_stream(torch.cuda.current_stream(st.device))
+                with torch.cuda.stream(stream):
+                    x, _ = self._stage_forward(k, x, caches, n_keys, lengths, keep_hidden)
+                torch.cuda.current_stream(st.device).wait_stream(stream)
+        for restore in restores:
+            restore()
+        graphs, outs, hidden = [], [], None
+        collecting = gc.isenabled()
+        gc.disable()  # as GraphDecoder's capture: no finalizer may unpin memory meanwhile
+        try:
+            for k, (st, stream) in enumerate(zip(self.stages, self.streams, strict=True)):
+                x = self.carries[(k, tokens.shape[0])] if k else tokens
+                self.staged.enter(st.device)
+                stream.wait_stream(torch.cuda.current_stream(st.device))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+                    out, hidden = self._stage_forward(k, x, caches, n_keys, lengths, keep_hidden)
+                torch.cuda.current_stream(st.device).wait_stream(stream)
+                graphs.append(graph)
+                outs.append(out)
+        finally:
+            if collecting:
+                gc.enable()
+        decoder = weakref.ref(self)
+
+        def drop(_: object) -> None:
+            live = decoder()
+            if live is not None:
+                live.graphs.pop(key, None)
+
+        return _StagedEntry(graphs, outs, hidden, caches, drop)
+
+    def _replay(self, entry: _Entry) -> None:
+        assert isinstance(entry, _StagedEntry)
+        for k, (st, graph) in enumerate(zip(self.stages, entry.stage_graphs, strict=True)):
+            if k:
+                self._carry(k, entry.outs[k - 1])
+            self.staged.enter(st.device)
+            graph.replay()
