@@ -237,6 +237,13 @@ def test_handoff_sequence_continues_across_devices() -> None:
 
     assert [request(d) for d in "aabab"] == [1, 2, 3, 4, 5]
     assert [request(d) for d in "bba"] == [6, 7, 8]
+    # A captured stage is entered first: its graph then holds no copy; a device without
+    # hand-off layers has nothing to follow.
+    h.enter("b")  # type: ignore[arg-type]
+    assert h.last_counter is h.counters["b"] and int(h.counters["b"]) == 8
+    h.enter("c")  # type: ignore[arg-type]
+    assert h.last_counter is h.counters["b"]
+    assert request("b") == 9
 
 
 def test_the_placement_log_shows_the_split() -> None:

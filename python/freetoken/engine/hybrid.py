@@ -436,8 +436,10 @@ class HybridExperts(OffloadExperts):
 
     def enter(self, device: torch.device) -> None:
         """Before a captured stage on ``device`` (its capture or replay): the device's
-        counter takes the latest count now, so the stage's graph holds no copy of it."""
-        self._counter(device)
+        counter takes the latest count now, so the stage's graph holds no copy of it. A
+        device without hand-off layers makes no request: nothing to follow."""
+        if device in self.counters:
+            self._counter(device)
 
     def _counter(self, dev: torch.device) -> torch.Tensor:
         """The sequence counter for a request from ``dev``: after another device's request
