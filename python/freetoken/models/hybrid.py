@@ -233,7 +233,8 @@ class HybridTransformer(Transformer):
     def new_cache(self, n_ctx: int, max_step: int = 0) -> HybridCache:
         """An empty cache for one sequence of up to ``n_ctx`` tokens (``max_step`` does not
         apply: these models have no sliding-window layers)."""
-        devs = self.layer_devices or ()
+        # With the layers split over several GPUs, each cache layer goes beside its layer.
+        per_layer = list(zip(self.layer_devices or (), self.recurrent, strict=False))
         return HybridCache(
             self.n_attn_layers,
             n_ctx,
@@ -241,8 +242,8 @@ class HybridTransformer(Transformer):
             state_shapes=self._state_shapes(),
             device=self.device,
             v_transposed=self.device.type == "cuda",
-            kv_devices=[d for d, rec in zip(devs, self.recurrent, strict=False) if not rec],
-            state_devices=[d for d, rec in zip(devs, self.recurrent, strict=False) if rec],
+            kv_devices=[d for d, rec in per_layer if not rec],
+            state_devices=[d for d, rec in per_layer if rec],
         )
 
     def _rope_tables(
