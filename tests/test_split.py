@@ -320,3 +320,23 @@ def test_stages_are_runs_of_one_device() -> None:
         Stage(g0, range(2, 3), True),
     ]
     assert stages([g0] * 3, g0) == [Stage(g0, range(3), True)]
+
+
+def test_each_range_plans_from_its_layers_profile(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import json
+
+    from freetoken.runtime.expert_profile import FORMAT, VERSION, profile_of_layers
+
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": {"architecture": "qwen3moe", "n_layers": 4},
+        "layers": [{"layer": i, "routes": 2, "counts": [1, 1]} for i in range(4)],
+    }
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    path.write_text(json.dumps(doc))
+    for given in (doc, str(path)):
+        part = profile_of_layers(given, range(2, 4))
+        assert [e["layer"] for e in part["layers"]] == [2, 3]
+        assert part["model"] == doc["model"] and part["format"] == FORMAT
+    assert profile_of_layers({"format": "other"}, range(2)) == {"format": "other"}

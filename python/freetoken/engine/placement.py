@@ -55,6 +55,7 @@ from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
 from freetoken.models.transformer import Transformer
 from freetoken.runtime import gpu
 from freetoken.runtime.cuda_graph import MAX_SPAN, GraphDecoder, StagedGraphDecoder
+from freetoken.runtime.expert_profile import load_profile, profile_of_layers
 from freetoken.runtime.moe import MoeContext, MoeFFN
 from freetoken.runtime.slots import CachePlan, plan_pools
 
@@ -570,17 +571,29 @@ def _experts(
     pooled = [r for r in ranges if r.servable]
     several = len(ranges) > 1
     budgets = _budgets(pooled, o, model, place)
+    arch, n_layers = model.cfg.arch, model.cfg.n_layers
+    if o.profile is not None and len(pooled) > 1:
+        # Checked against every pooled layer once; each range plans from its layers' counts.
+        load_profile(
+            o.profile,
+            [ex.spec() for r in pooled for ex in r.servable],
+            architecture=arch,
+            n_layers=n_layers,
+        )
 
     def plan_for(ls: list[ExpertLayer], within: int) -> CachePlan:
         if not ls:
             return NO_SLOTS
+        profile = o.profile
+        if profile is not None and len(pooled) > 1:
+            profile = profile_of_layers(profile, {ex.index for ex in ls})
         return plan_pools(
             [ex.spec() for ex in ls],
             within,
             scope=o.scope,
-            profile=o.profile,
-            architecture=model.cfg.arch,
-            n_layers=model.cfg.n_layers,
+            profile=profile,
+            architecture=arch,
+            n_layers=n_layers,
         )
 
     if strategy == "auto" and _one_shape(all_layers):

@@ -1,12 +1,13 @@
 """The expert-use profile file (docs/expert-profile.md): per MoE layer the routes per expert
 that the GPU expert cache is sized and seeded from. :func:`expert_profile` makes one from a
-model's counters, :func:`write_profile` saves it, :func:`load_profile` reads and checks one."""
+model's counters, :func:`write_profile` saves it, :func:`load_profile` reads and checks one,
+:func:`profile_of_layers` keeps some layers of one (a GPU's share of a split)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,14 @@ from freetoken.errors import FileAccessError, InvalidInputError, UnsupportedErro
 if TYPE_CHECKING:
     from freetoken.runtime.slots import LayerSpec
 
-__all__ = ["FORMAT", "VERSION", "expert_profile", "load_profile", "write_profile"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "expert_profile",
+    "load_profile",
+    "profile_of_layers",
+    "write_profile",
+]
 
 FORMAT = "freetoken.expert-profile"
 VERSION = 1
@@ -126,3 +134,17 @@ def load_profile(
             raise InvalidInputError(f"{where}: routes {entry['routes']} != sum of counts")
         counts[layer] = c
     return counts
+
+
+def profile_of_layers(
+    profile: Mapping[str, Any] | str | os.PathLike[str], layers: Container[int]
+) -> Any:
+    """The profile (the parsed JSON or a path) with the entries of ``layers`` only: the
+    counts a GPU's share of a split plans its pools from. A document without a list of
+    layers comes back as it is, for :func:`load_profile` to report."""
+    doc, _ = _read_profile(profile)
+    entries = doc.get("layers") if isinstance(doc, Mapping) else None
+    if not isinstance(entries, list):
+        return doc
+    kept = [e for e in entries if not isinstance(e, Mapping) or e.get("layer") in layers]
+    return {**doc, "layers": kept}
