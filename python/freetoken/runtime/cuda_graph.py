@@ -226,6 +226,11 @@ class GraphDecoder:
             if collecting:
                 gc.enable()
         torch.cuda.current_stream().wait_stream(self.stream)
+        return _Entry(graph, logits, hidden, caches, self._dropper(key))
+
+    def _dropper(self, key: _Key) -> Callable[[object], None]:
+        """What drops the graph of ``key`` when one of its caches goes (this decoder held
+        weakly: the graphs must not keep it alive)."""
         decoder = weakref.ref(self)
 
         def drop(_: object) -> None:
@@ -233,7 +238,7 @@ class GraphDecoder:
             if live is not None:
                 live.graphs.pop(key, None)
 
-        return _Entry(graph, logits, hidden, caches, drop)
+        return drop
 
     @torch.inference_mode()
     def step(
@@ -284,8 +289,8 @@ class GraphDecoder:
 
 
 class _StagedEntry(_Entry):
-    """A captured step over several devices: a graph per stage, each stage's output (the
-    next one's input is copied from it) and the graphs' order."""
+    """A captured step over several devices: its stages' graphs in order and each stage's
+    output (the next stage's input is copied from it; the last one's are the logits)."""
 
     def __init__(
         self,
@@ -405,14 +410,7 @@ class StagedGraphDecoder(GraphDecoder):
         finally:
             if collecting:
                 gc.enable()
-        decoder = weakref.ref(self)
-
-        def drop(_: object) -> None:
-            live = decoder()
-            if live is not None:
-                live.graphs.pop(key, None)
-
-        return _StagedEntry(graphs, outs, hidden, caches, drop)
+        return _StagedEntry(graphs, outs, hidden, caches, self._dropper(key))
 
     def _replay(self, entry: _Entry) -> None:
         assert isinstance(entry, _StagedEntry)
