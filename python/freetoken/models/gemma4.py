@@ -256,10 +256,10 @@ class Gemma4Transformer(Transformer):
         x = self.embed(tokens) * math.sqrt(self.cfg.hidden)
         inputs = self.per_layer(tokens, x, eps) if self.per_layer is not None else None
         for i, blk in enumerate(self.blocks):
-            x, at = self._enter(i, x, step)
+            x, at = self._to_layer(i, x, step)
             x = self._layer(i, blk, x, at)
             x = self.layer_extras[i](x, None if inputs is None else inputs[:, i].to(x.device), eps)
-        x, _ = self._enter(None, x, step)
+        x, _ = self._to_layer(None, x, step)
         return self._head(x, None if rows is None else rows.to(x.device))
 
     def _layer(self, i: int, blk: Block, x: torch.Tensor, step: Step) -> torch.Tensor:

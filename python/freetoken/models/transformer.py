@@ -568,11 +568,11 @@ class Transformer:
             if self.feat.embed_scale:
                 x = x * math.sqrt(self.cfg.hidden)
         for i in layers:
-            x, at = self._enter(i, x, step)
+            x, at = self._to_layer(i, x, step)
             x = self._layer(i, self.blocks[i], x, at)
         if not head:
             return x
-        x, at = self._enter(None, x, step)
+        x, at = self._to_layer(None, x, step)
         logits = self._head(x, None if rows is None else rows.to(x.device), at)
         step.take_hidden(at)
         return logits
@@ -583,7 +583,7 @@ class Transformer:
         if self.step_hook is not None:
             self.step_hook.enter(device)
 
-    def _enter(self, i: int | None, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, Step]:
+    def _to_layer(self, i: int | None, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, Step]:
         """The activation ``x`` and ``step`` as layer ``i`` (None: the output layer) reads
         them: unchanged but where the layers are split over several GPUs and ``i`` is on
         another device than ``x``; then ``x`` is copied there (on both devices' current
