@@ -30,7 +30,11 @@ rule). Beside FreeToken's rows, the step's split from its ``/metrics``
 (``freetoken_moe_fetch_*``, the split steps of more than one token in that round): expert MB
 uploaded and computed on the GPU per step and read by the CPU per step, and each side's
 milliseconds per step; and the measured milliseconds per step (the round's decode span over
-its split steps). Peak VRAM per server process (nvidia-smi, when present) and its peak RSS
+its split steps). With ``--resident-args`` a second ``freetoken serve`` (every expert on the
+GPU: ``--moe-strategy gpu``) runs the decode rows too, and beside each split row is the
+bound its step is held to: max(upload ms, CPU ms) + the all-resident step's ms at the same
+stream count (its decode span over its longest stream's tokens after the first), and the
+measured step over it. Peak VRAM per server process (nvidia-smi, when present) and its peak RSS
 (VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every round.
 
     python3 benches/bench_server_streams.py -m MODEL.gguf --llama-server PATH \\
@@ -230,6 +234,9 @@ def tally(runs: list[Streamed]) -> dict[str, Any]:
         "per_stream_tps": sum(per_stream) / len(per_stream) if per_stream else None,
     }
     timings = [s.timings for s in runs if s.timings]
+    if spans:
+        # Every running stream advances one token a step: the steps are the longest stream's.
+        out["decode_step_ms"] = span / max(n for _, _, n in spans) * 1e3 if span > 0 else None
     if timings:
         out["server_tps"] = statistics.mean(t["predicted_per_second"] for t in timings)
         if any("draft_n" in t for t in timings):
@@ -306,6 +313,10 @@ def _split(
     }
 
 
+#: The label of the all-resident ``freetoken serve`` (``--resident-args``).
+RESIDENT = "freetoken resident"
+
+
 class Server:
     """One server for the whole run: ``engine`` (``freetoken`` or ``llama.cpp``) with its
     extra ``flags``."""
@@ -356,7 +367,8 @@ def _server_cmd(engine: str, args: argparse.Namespace, slots: int, port: int) ->
 
 def server_specs(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
     """(engine, label, extra flags) of each server: llama-server once, or once per
-    ``--ncmoe`` value with ``-ncmoe N`` after ``--llama-args``; then freetoken serve."""
+    ``--ncmoe`` value with ``-ncmoe N`` after ``--llama-args``; then freetoken serve, and the
+    all-resident one with ``--resident-args``."""
     specs = []
     if args.llama_server:
         flags = shlex.split(args.llama_args)
@@ -365,7 +377,10 @@ def server_specs(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
                 specs.append(("llama.cpp", f"llama.cpp -ncmoe {v}", [*flags, "-ncmoe", v]))
         else:
             specs.append(("llama.cpp", "llama.cpp", flags))
-    return [*specs, ("freetoken", "freetoken", shlex.split(args.freetoken_args))]
+    specs.append(("freetoken", "freetoken", shlex.split(args.freetoken_args)))
+    if args.resident_args:
+        specs.append(("freetoken", RESIDENT, shlex.split(args.resident_args)))
+    return specs
 
 
 def _one_round(
@@ -382,6 +397,8 @@ def _one_round(
     jobs += [("prompt", args.prompt_streams)] if args.prompt_tokens else []
     for kind, n in jobs:
         for label, srv in servers.items():
+            if kind == "prompt" and label == RESIDENT:
+                continue  # only its decode steps bound the split rows
             row: dict[str, Any] = {"round": r, "kind": kind, "engine": srv.engine}
             row |= {"server": label, "streams": n}
             try:
@@ -407,14 +424,22 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _split_cell(rows: list[dict[str, Any]]) -> str:
+def _split_cell(rows: list[dict[str, Any]], resident_ms: float | None) -> str:
+    """The median split per step; with the all-resident step's ms, the bound max(upload,
+    CPU) + resident and the measured step over it."""
     splits = [r["split"] for r in rows if r.get("split")]
     if not splits:
         return "-"
     m = {k: statistics.median(s[k] for s in splits if s[k] is not None) for k in splits[0]}
-    return (
+    cell = (
         f"up {m['uploaded_mb']:.0f} MB {m['upload_ms']:.1f} ms, CPU {m['cpu_mb']:.0f} MB "
         f"{m['cpu_ms']:.1f} ms; step {m['step_ms']:.1f} ms"
+    )
+    if resident_ms is None or not m["step_ms"]:
+        return cell
+    bound = max(m["upload_ms"], m["cpu_ms"]) + resident_ms
+    return (
+        cell + f"; bound {bound:.1f} ms (resident {resident_ms:.1f}), {m['step_ms'] / bound:.2f}x"
     )
 
 
@@ -472,6 +497,7 @@ def table(rows: list[dict[str, Any]], vram: dict[str, Any], rss: dict[str, Any])
         }
         ref_label = reference(group, metric, vram)
         ref = _median(group[ref_label], metric) if ref_label else None
+        resident_ms = _median(group.get(RESIDENT, []), "decode_step_ms")
         for label, rs in group.items():
             if not rs:
                 continue
@@ -488,7 +514,7 @@ def table(rows: list[dict[str, Any]], vram: dict[str, Any], rss: dict[str, Any])
                 f"{_median(rs, 'server_tps'):.1f}" if _median(rs, "server_tps") else "-",
                 f"{ratio:.2f}" if ratio else "-",
                 _spec_cell(rs),
-                _split_cell(rs),
+                _split_cell(rs, resident_ms),
                 str(vram.get(label) if vram.get(label) is not None else "-"),
                 f"{rss[label]:.0f}" if rss.get(label) else "-",
             ]
@@ -516,6 +542,11 @@ def main() -> int:
     ap.add_argument("--freetoken-args", default="", help="extra freetoken serve flags")
     ap.add_argument(
         "--llama-args", default="-ngl 99", help="extra llama-server flags (--llama-args=...)"
+    )
+    ap.add_argument(
+        "--resident-args",
+        help="flags of an all-resident freetoken serve (--moe-strategy gpu ...) whose decode "
+        "step bounds the split rows",
     )
     ap.add_argument(
         "--ncmoe",

@@ -1,7 +1,7 @@
 """benches/bench_server_streams.py's counting: a stream's tokens are its usage's (a chunk can
 carry several under speculative decoding), llama-server's timings give its own rate and draft
-counts, and the llama.cpp server a row's ratios are against is the fastest within
-FreeToken's peak VRAM + 5%."""
+counts, the llama.cpp server a row's ratios are against is the fastest within FreeToken's
+peak VRAM + 5%, and a split row is held to max(upload, CPU) + the all-resident step."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def test_llama_server_timings_and_draft_counts() -> None:
     assert row["span_s"] == 4.0  # first chunk of a to the last text chunk of b
     assert row["aggregate_tps"] == (2 + 1) / 4.0
     assert row["per_stream_tps"] == (2 / 2.0 + 1 / 3.0) / 2
+    assert row["decode_step_ms"] == 4.0 / 2 * 1e3  # a's two tokens after its first: two steps
     assert row["server_tps"] == 0.75
     assert (row["drafted"], row["accepted"]) == (6, 3)
 
@@ -111,6 +112,7 @@ def test_one_llama_server_per_ncmoe_value() -> None:
         llama_args="-ngl 99 -fa off",
         ncmoe="26,31",
         freetoken_args="--moe-strategy hybrid",
+        resident_args=None,
     )
     assert bss.server_specs(args) == [
         ("llama.cpp", "llama.cpp -ncmoe 26", ["-ngl", "99", "-fa", "off", "-ncmoe", "26"]),
@@ -119,5 +121,46 @@ def test_one_llama_server_per_ncmoe_value() -> None:
     ]
     args.ncmoe = None
     assert [label for _, label, _ in bss.server_specs(args)] == ["llama.cpp", "freetoken"]
+    args.resident_args = "--moe-strategy gpu"
+    assert bss.server_specs(args)[-1] == ("freetoken", bss.RESIDENT, ["--moe-strategy", "gpu"])
+    args.resident_args = None
     args.llama_server = None
     assert [label for _, label, _ in bss.server_specs(args)] == ["freetoken"]
+
+
+def test_split_row_against_its_bound() -> None:
+    # Two rounds of a 16-stream split row: the medians of each field; the bound is the larger
+    # side plus the all-resident step.
+    splits = [
+        {"uploaded_mb": 100, "upload_ms": 8.0, "cpu_mb": 300, "cpu_ms": 20.0, "step_ms": 40.0},
+        {"uploaded_mb": 120, "upload_ms": 10.0, "cpu_mb": 280, "cpu_ms": 18.0, "step_ms": 36.0},
+    ]
+    rows = [{"split": s} for s in splits]
+    cell = bss._split_cell(rows, 12.0)
+    assert "step 38.0 ms" in cell
+    assert "bound 31.0 ms (resident 12.0)" in cell  # max(9, 19) + 12
+    assert cell.endswith(f"{38.0 / 31.0:.2f}x")
+    assert "bound" not in bss._split_cell(rows, None)
+    table = bss.table(
+        [
+            {
+                "kind": "decode",
+                "streams": 16,
+                "engine": "freetoken",
+                "server": "freetoken",
+                "aggregate_tps": 300.0,
+                "split": splits[0],
+            },
+            {
+                "kind": "decode",
+                "streams": 16,
+                "engine": "freetoken",
+                "server": bss.RESIDENT,
+                "aggregate_tps": 900.0,
+                "decode_step_ms": 12.0,
+            },
+        ],
+        {},
+        {},
+    )
+    assert "bound 32.0 ms (resident 12.0), 1.25x" in table  # max(8, 20) + 12
