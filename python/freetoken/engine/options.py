@@ -73,12 +73,13 @@ class EngineOptions:
     huge-page-backed memory (freetoken.gguf.GGUFFile).
     ``repack``: on the CPU engine, weights copied once into the layout the CPU kernels in use
     read fastest (engine/repack.py; False: llama.cpp's ``--no-repack``).
-    ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None: the
-    main GPU alone, or ``layer`` when proportions are given), ``--tensor-split`` proportions
-    and ``--main-gpu`` (:mod:`freetoken.engine.split`). ``split_plan``: the layer ranges
-    given as they are instead (a :class:`~freetoken.engine.split.SplitPlan`: each range's GPU
-    and cache share, the output layer's GPU; several ranges may name one GPU), checked
-    against the model and the host at placement.
+    ``split_mode``, ``tensor_split``, ``main_gpu``: llama.cpp's ``--split-mode`` (None:
+    ``layer``, llama.cpp's default; ``none`` keeps the model on the main GPU),
+    ``--tensor-split`` proportions and ``--main-gpu`` (:mod:`freetoken.engine.split`).
+    ``split_plan``: the layer ranges given as they are instead (a
+    :class:`~freetoken.engine.split.SplitPlan`: each range's GPU and cache share, the output
+    layer's GPU; several ranges may name one GPU), checked against the model and the host at
+    placement.
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
     see (runtime/kv_cache.py)."""
@@ -246,7 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--split-mode",
         choices=SPLIT_MODES,
         default=None,
-        help="several GPUs: none (--main-gpu alone, the default) or layer (ranges of layers)",
+        help="several GPUs: layer (ranges of layers, the default) or none (--main-gpu alone)",
     )
     g.add_argument(
         "-ts",

@@ -220,25 +220,21 @@ def _split_plan(
     main_gpu: int,
     cache_mib: int | None,
 ) -> SplitPlan:
-    """The GPUs' layer ranges. Without ``--split-mode`` a host of several GPUs uses the main
-    one alone (unless ``--tensor-split`` is given): one GPU runs decode steps as CUDA graphs,
-    a split over several runs them eagerly."""
+    """The GPUs' layer ranges: ``--split-mode layer`` unless told otherwise (llama.cpp's
+    default), which on a host of one GPU is one range on it."""
     sizes = {ex.index: ex.spec().expert_bytes * ex.n_experts for ex in layers}
     n_layers = len(model.blocks)
     free = [torch.cuda.mem_get_info(d)[0] for d in range(n_gpus)]
-    chosen = mode or ("layer" if tensor_split is not None else "none")
     plan = plan_split(
         n_layers,
         n_gpus,
-        mode=chosen,
+        mode=mode or "layer",
         tensor_split=tensor_split,
         main_gpu=main_gpu,
         free_bytes=free,
         cache_mib=cache_mib,
         expert_bytes=[sizes.get(i, 0) for i in range(n_layers)],
     )
-    if mode is None and n_gpus > 1:
-        log.info("%d GPUs: the model goes to GPU %d (--main-gpu)", n_gpus, main_gpu)
     return plan
 
 
