@@ -20,6 +20,7 @@ run both ways (``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ torch = pytest.importorskip("torch")
 from freetoken.engine.options import EngineOptions  # noqa: E402
 from freetoken.errors import InvalidInputError  # noqa: E402
 from freetoken.llm import LLM  # noqa: E402
+from freetoken.runtime.kv_cache import KVCache  # noqa: E402
 from freetoken.runtime.sampler import SamplingParams  # noqa: E402
 from synthetic import build_models  # noqa: E402
 from teacher_forced import compare  # noqa: E402
@@ -112,16 +114,22 @@ def _cpu_runs(path: Path) -> tuple[list[list[int]], list[np.ndarray]]:
     return seqs, logits
 
 
-def _check(name: str, how: str, ref: np.ndarray, ours: np.ndarray) -> None:
+def _check(
+    name: str, how: str, ref: np.ndarray, ours: np.ndarray, skip: Sequence[int] = ()
+) -> None:
+    """Teacher-forced bounds, the rows ``skip`` (routing near-ties) left out."""
     assert np.isfinite(ours).all(), f"{name} {how}: non-finite logits"
-    c = compare(ref, ours)
+    c = compare(ref, ours, skip)
     assert not c.mismatches, f"{name} {how}: {c.describe()}"
     assert c.mean_kl <= MAX_KL, f"{name} {how}: {c.describe()}"
 
 
-def _decode_logits(llm: LLM, seq: list[int], first: int) -> np.ndarray:
-    """Logits of positions ``first..`` fed one token at a time (decode steps)."""
-    cache = llm.model.new_cache(len(seq))
+def _decode_logits(
+    llm: LLM, seq: list[int], first: int, cache: KVCache | None = None
+) -> np.ndarray:
+    """Logits of positions ``first..`` fed one token at a time (decode steps), into
+    ``cache`` where given (a caller that keeps it keeps the graphs captured on it)."""
+    cache = cache if cache is not None else llm.model.new_cache(len(seq))
     out = [llm.model.forward(seq[: first + 1], cache).numpy()]
     for tok in seq[first + 1 : len(seq) - 1]:
         out.append(llm.model.forward([tok], cache).numpy())
@@ -335,8 +343,9 @@ def test_hybrid_fetch_share_matches_cpu_and_gpu(
     slot pool, the forced share of its missed experts is uploaded for the step and computed
     on the GPU, the rest on the CPU; the teacher-forced logits match the CPU engine's and the
     all-resident ``gpu`` strategy's on the same steps. Share 0 fetches nothing (two-sequence
-    decode steps are still graphs); above 0 experts are fetched (those steps run eagerly),
-    and at 1 the CPU computes only the misses the staging buffer has no room for."""
+    decode steps are graphs); above 0 experts are fetched inside the same captured steps
+    (the share chosen and the copies made on the device), and at 1 the CPU computes only the
+    misses the staging buffer has no room for."""
     from freetoken.engine import hybrid
 
     monkeypatch.setattr(hybrid, "MAX_SLOT_TOKENS", hybrid.MAX_TOKENS)
@@ -368,7 +377,7 @@ def test_hybrid_fetch_share_matches_cpu_and_gpu(
     assert two["steps"] > 0 and 0 < st.hits.sum() < st.routes.sum(), st
     graphs = llm.model.graphs
     assert graphs is not None
-    assert any(len(key[0]) == 2 for key in graphs.graphs) == (share == 0.0)
+    assert any(len(key[0]) == 2 for key in graphs.graphs), "no two-sequence graph ran"
     if share == 0.0:
         assert st.fetched.sum() == 0 and all(c["uploaded_routes"] == 0 for c in st.fetch.values())
         return
