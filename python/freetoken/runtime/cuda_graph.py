@@ -99,6 +99,22 @@ class _Entry:
         return all(r() is c for r, c in zip(self.refs, caches, strict=True))
 
 
+def _step(
+    pos: torch.Tensor,
+    caches: Sequence[KVCache],
+    n_keys: Sequence[int],
+    lengths: Sequence[int],
+    keep_hidden: bool,
+) -> Step:
+    """A captured step over static positions ``pos``: each cache's span of ``lengths`` rows
+    in order, attending over its ``n_keys`` bucket."""
+    spans, at = [], 0
+    for c, nk, n in zip(caches, n_keys, lengths, strict=True):
+        spans.append(Span(pos[at : at + n], n, c, nk))
+        at += n
+    return Step(pos, spans, keep_hidden=keep_hidden)
+
+
 class Decoder(Protocol):
     """What a model offers to be captured: its device and its forward pass on tensors
     (``Transformer.run``)."""
@@ -190,11 +206,7 @@ class GraphDecoder:
         keep_hidden: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, pos = self._static(sum(lengths))
-        spans, at = [], 0
-        for c, nk, n in zip(caches, n_keys, lengths, strict=True):
-            spans.append(Span(pos[at : at + n], n, c, nk))
-            at += n
-        step = Step(pos, spans, keep_hidden=keep_hidden)
+        step = _step(pos, caches, n_keys, lengths, keep_hidden)
         return self.model.run(tokens, step, None), step.hidden
 
     def _capture(
@@ -360,12 +372,7 @@ class StagedGraphDecoder(GraphDecoder):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage ``k`` of the step from ``x`` (token ids, or its input activation), on the
         current stream, with its device's positions."""
-        pos = self._stage_static(k, sum(lengths))
-        spans, at = [], 0
-        for c, nk, n in zip(caches, n_keys, lengths, strict=True):
-            spans.append(Span(pos[at : at + n], n, c, nk))
-            at += n
-        step = Step(pos, spans, keep_hidden=keep_hidden)
+        step = _step(self._stage_static(k, sum(lengths)), caches, n_keys, lengths, keep_hidden)
         st = self.stages[k]
         return self.staged.run_part(x, step, st.layers, None, st.head), step.hidden
 
