@@ -65,7 +65,7 @@ def cpu_runs(model_files: dict[str, Path]) -> dict[str, Any]:
     runs = {}
     for name, path in model_files.items():
         seqs, refs = _cpu_runs(path)
-        cpu = LLM(path, n_ctx=256)
+        cpu = LLM(path, n_ctx=256, engine=EngineOptions(device="cpu"))
         firsts = [len(cpu.tokenize(p)) - 1 for p in PROMPTS]
         ties = [routing_near_ties(cpu.model, s, f) for s, f in zip(seqs, firsts, strict=True)]
         runs[name] = (seqs, refs, ties)
