@@ -90,7 +90,18 @@ mkdir -p "$OUT"
 
 log() { echo "device.sh: $*" >&2; }
 
+# dev_tools: maturin and cmake (ggml's build) from .venv, as the test command installs them.
+dev_tools() {
+    [ -x "$ROOT/.venv/bin/maturin" ] && [ -x "$ROOT/.venv/bin/cmake" ] || {
+        log "no .venv with maturin and cmake: python3 -m venv .venv &&" \
+            ".venv/bin/pip install -r requirements-dev.txt (or run bash scripts/test.sh once)"
+        exit 2
+    }
+    export PATH=$ROOT/.venv/bin:$PATH
+}
+
 prepare() {
+    dev_tools
     local src=${FREETOKEN_LLAMA_SRC:-$HOME/.cache/freetoken/llama.cpp-$SHA}
     [ -f "$src/ggml/CMakeLists.txt" ] || {
         log "no pinned tree at $src: build the workspace once (cargo build) to unpack it"
@@ -144,6 +155,7 @@ print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $CLIENT_PACKAGES)
 prepare_alt() {
     local ref=${FT_ALT_REF:?set FT_ALT_REF to a git commit} name=${FT_ALT_NAME:?set FT_ALT_NAME}
     local tree
+    dev_tools
     tree=$(mktemp -d)
     git worktree add -f --detach "$tree" "$ref" >/dev/null
     rm -rf "$DEV/alt/$name"
