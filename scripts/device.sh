@@ -443,7 +443,8 @@ bench_streams() {
 # FT_SPEC_ROUNDS (3) rounds in turn: freetoken serve hybrid with draft-mtp against
 # llama-server -ngl 99 -fa off with the same speculative flags at each -ncmoe of FT_SPEC_NCMOE
 # (default bench_hybrid's sweep about the same VRAM, moe_budget.py), each engine's drafted and
-# accepted tokens beside. A failed first half does not stop the second.
+# accepted tokens beside. A failed first half does not stop the second. FT_SPEC_PARTS (default
+# "bench server") runs one half alone, for a second call that finishes a cut one.
 bench_spec() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model cache sweep n_max tag
@@ -455,10 +456,14 @@ bench_spec() {
     n_max=$(awk -F, '{print NF}' <<<"$rates")
     local spec="--spec-type draft-mtp --spec-draft-n-max $n_max --spec-synth-rates $rates"
     tag=$(basename "$model" .gguf)_$fraction
-    python3 benches/bench_speculative.py -m "$model" --device cuda --moe-strategy hybrid \
-        --moe-cache-mib "$cache" --rates "$rates" -n "$n" -r 3 \
-        --json "$OUT/bench_spec_$tag.json" 2>&1 | tee "$OUT/bench_spec_$tag.log" ||
-        log "bench_speculative.py failed (bench_spec_$tag.log)"
+    local parts=" ${FT_SPEC_PARTS:-bench server} "
+    if [[ $parts == *" bench "* ]]; then
+        python3 benches/bench_speculative.py -m "$model" --device cuda --moe-strategy hybrid \
+            --moe-cache-mib "$cache" --rates "$rates" -n "$n" -r 3 \
+            --json "$OUT/bench_spec_$tag.json" 2>&1 | tee "$OUT/bench_spec_$tag.log" ||
+            log "bench_speculative.py failed (bench_spec_$tag.log)"
+    fi
+    [[ $parts == *" server "* ]] || return 0
     python3 benches/bench_server_streams.py -m "$model" \
         --llama-server "$FT_BUILD/bin/llama-server" --streams 1 -n "$n" \
         --rounds "${FT_SPEC_ROUNDS:-3}" --prompt-tokens 0 -t "$(nproc)" \
