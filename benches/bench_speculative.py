@@ -23,6 +23,11 @@ the cut back to them:
   the states, which are put back before the kept tokens run again as a step of j tokens.
 
 Each figure is the best of ``-r`` x 4 runs.
+
+By draft length (:func:`by_draft_length`): what each draft length from 0 to the number of
+rates would decode at, predicted from this run's measured costs, so that a run tells whether
+a shorter draft would be faster. Not measured decodes: a prediction from the verify steps'
+costs, the synthetic rates and the rest of a measured speculative step.
 """
 
 from __future__ import annotations
@@ -126,6 +131,41 @@ def rewind_costs(model_path: str, k_max: int, reps: int) -> list[dict[str, Any]]
     return rows
 
 
+def by_draft_length(
+    rates: list[float],
+    step_ms: dict[int, float],
+    tokens_per_s: float,
+    tokens: int,
+    verify_steps: dict[int, int],
+) -> list[dict[str, float]]:
+    """Per draft length ``n`` from 0 to ``len(rates)``: the expected tokens of a step (1 plus
+    the first ``n`` rates, ``rates[i]`` the probability that draft position ``i`` is kept) and
+    the decode rate predicted for it: a verify step of ``n + 1`` tokens (``step_ms``) plus the
+    rest of a measured speculative step (its time, ``tokens`` at ``tokens_per_s`` over the
+    ``verify_steps`` counted by length, less their verify costs: drafting, sampling, the cut
+    back), that rest either in proportion to the tokens drafted or the same in every step.
+    The two bound the truth where the rest is part per draft token, part per step."""
+    steps = sum(verify_steps.values())
+    step = tokens / tokens_per_s * 1e3 / steps
+    verify = sum(c * step_ms[k] for k, c in verify_steps.items()) / steps
+    drafted = sum(c * (k - 1) for k, c in verify_steps.items()) / steps
+    rest = max(step - verify, 0.0)
+    rows = []
+    for n in range(len(rates) + 1):
+        expect = 1.0 + sum(rates[:n])
+        per_draft = rest * n / drafted if drafted else 0.0
+        rows.append(
+            {
+                "draft": n,
+                "tokens_per_step": expect,
+                "verify_ms": step_ms[n + 1],
+                "tps_rest_by_drafts": expect * 1e3 / (step_ms[n + 1] + per_draft),
+                "tps_rest_per_step": expect * 1e3 / (step_ms[n + 1] + rest),
+            }
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
@@ -168,6 +208,23 @@ def main() -> int:
     one = sp["step_ms"]["1"]
     for k, ms in sp["step_ms"].items():
         print(f"| {k} | {ms:.2f} | {ms / (int(k) * one):.2f} |")
+    lengths = by_draft_length(
+        [float(r) for r in args.rates.split(",")],
+        {int(k): ms for k, ms in sp["step_ms"].items()},
+        fast["decode_tokens_per_s"],
+        args.n * args.r,
+        {int(k): c for k, c in sp["verify_steps"].items()},
+    )
+    print(
+        "\n| draft tokens | tokens a step | verify ms | predicted t/s, rest by drafts | "
+        "predicted t/s, rest per step |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for row in lengths:
+        print(
+            f"| {row['draft']} | {row['tokens_per_step']:.2f} | {row['verify_ms']:.2f} | "
+            f"{row['tps_rest_by_drafts']:.2f} | {row['tps_rest_per_step']:.2f} |"
+        )
     if rewind:
         print("\n| verify tokens | kept | checkpoints ms | recompute ms |")
         print("| ---: | ---: | ---: | ---: |")
@@ -179,6 +236,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             doc = {"args": vars(args), "plain": plain, "spec": fast, "rewind": rewind}
+            doc["by_draft_length"] = lengths
             json.dump(doc, f, indent=1)
     return 0
 
