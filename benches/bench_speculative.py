@@ -205,12 +205,12 @@ def main() -> int:
     )
     print("| step tokens | ms | vs as many one-token steps |")
     print("| ---: | ---: | ---: |")
-    one = sp["step_ms"]["1"]
-    for k, ms in sp["step_ms"].items():
-        print(f"| {k} | {ms:.2f} | {ms / (int(k) * one):.2f} |")
+    step_ms = {int(k): ms for k, ms in sp["step_ms"].items()}  # JSON keys are strings
+    for k, ms in step_ms.items():
+        print(f"| {k} | {ms:.2f} | {ms / (k * step_ms[1]):.2f} |")
     lengths = by_draft_length(
         [float(r) for r in args.rates.split(",")],
-        {int(k): ms for k, ms in sp["step_ms"].items()},
+        step_ms,
         fast["decode_tokens_per_s"],
         args.n * args.r,
         {int(k): c for k, c in sp["verify_steps"].items()},
@@ -235,8 +235,13 @@ def main() -> int:
             )
     if args.json:
         with open(args.json, "w") as f:
-            doc = {"args": vars(args), "plain": plain, "spec": fast, "rewind": rewind}
-            doc["by_draft_length"] = lengths
+            doc = {
+                "args": vars(args),
+                "plain": plain,
+                "spec": fast,
+                "rewind": rewind,
+                "by_draft_length": lengths,
+            }
             json.dump(doc, f, indent=1)
     return 0
 
