@@ -6,12 +6,14 @@ back after a verify step (checkpoints against a recompute), in one run.
         [--rates 0.8,0.6,0.4] [-n 128] [-t 2] [-r 3] [--device cpu]
         [--moe-strategy hybrid --moe-cache-mib 4428] [--json FILE]
 
-Decode: ``freetoken bench -p 0 -n N`` plain and with ``--spec-type T --spec-synth-rates R``
-(``--spec-draft-n-max`` the number of rates), subprocesses one after the other with the same
-engine flags (``--device``, ``--moe-strategy``, ``--moe-cache-mib``, ``-t``; without ``-t``
-FreeToken picks its threads), with the peak RSS each reports and, off the CPU, the peak GPU
-memory each adds (``run_with_vram`` of bench_gpu_vs_llamacpp.py); plus ``bench``'s
-verify-step costs (one step of k tokens against k one-token steps, on the engine's device).
+Decode: ``freetoken bench -p 0 -n N`` plain, with ``--spec-type T --spec-synth-rates R``
+(``--spec-draft-n-max`` the number of rates) and with ``--spec-draft-n-auto`` added (each
+step's length chosen by measured cost, up to that number), subprocesses one after the other
+with the same engine flags (``--device``, ``--moe-strategy``, ``--moe-cache-mib``, ``-t``;
+without ``-t`` FreeToken picks its threads), with the peak RSS each reports and, off the
+CPU, the peak GPU memory each adds (``run_with_vram`` of bench_gpu_vs_llamacpp.py); plus
+``bench``'s verify-step costs (one step of k tokens against k one-token steps, on the
+engine's device).
 
 Rewind (hybrid models, ``--device cpu`` only: it loads the model into this process on the
 CPU): after a 64-token prompt, a verify step of k tokens of which the first j are kept, then
@@ -184,6 +186,7 @@ def main() -> int:
     spec += ["--spec-synth-rates", args.rates]
     plain = _bench(args, [])
     fast = _bench(args, spec)
+    auto = _bench(args, [*spec, "--spec-draft-n-auto"])
     rewind = rewind_costs(args.model, n_max + 1, args.r) if args.device == "cpu" else []
     name = os.path.basename(args.model)
     print(
@@ -192,7 +195,12 @@ def main() -> int:
     )
     print("| | decode t/s | peak VRAM MiB | peak RSS MiB |")
     print("| --- | ---: | ---: | ---: |")
-    for label, res in (("no speculation", plain), (args.spec_type, fast)):
+    rows = (
+        ("no speculation", plain),
+        (args.spec_type, fast),
+        (f"{args.spec_type}, --spec-draft-n-auto", auto),
+    )
+    for label, res in rows:
         print(
             f"| {label} | {res['decode_tokens_per_s']:.2f} | {cell(res['peak_vram_mib'], '.0f')} | "
             f"{cell(res['peak_rss_mib'], '.0f')} |"
@@ -201,7 +209,14 @@ def main() -> int:
     sp = fast["spec"]
     print(
         f"\nratio {ratio:.2f}x; {sp['drafted']} drafted, {sp['accepted']} accepted "
-        f"({100 * sp['acceptance']:.1f}%); verify steps by tokens {sp['verify_steps']}\n"
+        f"({100 * sp['acceptance']:.1f}%); verify steps by tokens {sp['verify_steps']}"
+    )
+    sa = auto["spec"]
+    print(
+        f"--spec-draft-n-auto: ratio "
+        f"{auto['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x; "
+        f"{sa['drafted']} drafted, {sa['accepted']} accepted; steps by tokens "
+        f"{sa['verify_steps']}\n"
     )
     print("| step tokens | ms | vs as many one-token steps |")
     print("| ---: | ---: | ---: |")
@@ -239,6 +254,7 @@ def main() -> int:
                 "args": vars(args),
                 "plain": plain,
                 "spec": fast,
+                "auto": auto,
                 "rewind": rewind,
                 "by_draft_length": lengths,
             }

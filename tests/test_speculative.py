@@ -4,8 +4,9 @@
   several lengths, with each family's multi-token-prediction head (qwen35, qwen35moe,
   qwen3next, glm4moe written with ``nextn_layers``), with a draft-model pair (the target's
   weights at a coarser quantization, so that some drafts are kept and some not: the cache
-  rewind runs at every accepted length) and with n-gram drafts; one run on gemma3 goes
-  round its sliding-window rings;
+  rewind runs at every accepted length), the same pair with the draft length chosen per step
+  (``--spec-draft-n-auto``), and with n-gram drafts; one run on gemma3 goes round its
+  sliding-window rings;
 - sampling: the tokens a verify step gives at a draft position are distributed as the
   target's distribution (float64 softmax of the model's logits over the top-k, computed
   here), by a chi-square test over 4000 draws per position; and the rule with a draft
@@ -138,6 +139,18 @@ def test_draft_model_greedy_equals_plain(files: dict[str, Path]) -> None:
         # Drafts kept and drafts rejected: the rewind ran inside verify steps.
         assert 0 < stats.accepted < stats.drafted
         assert any(k > 2 for k in stats.steps)
+
+
+def test_auto_draft_length_greedy_equals_plain(files: dict[str, Path]) -> None:
+    opts = SpecOptions(draft_model=str(files["draft"]), n_max=4, n_auto=True)
+    plain, spec = LLM(files["target"], n_ctx=512), LLM(files["target"], n_ctx=512, spec=opts)
+    lengths: set[int] = set()
+    for prompt in PROMPTS.values():
+        assert _greedy(spec, prompt) == _greedy(plain, prompt)
+        assert spec.last_stats.spec is not None
+        lengths |= set(spec.last_stats.spec.steps)
+    # Steps of every length ran (each is measured before the first choice), plain ones too.
+    assert lengths == {1, 2, 3, 4, 5}
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen35-mtp"])
@@ -274,6 +287,7 @@ def test_hybrid_rewind_matches_a_fresh_run(files: dict[str, Path]) -> None:
         (dict(spec_type="ngram-simple", synth_rates=(0.5,)), "3 values"),
         (dict(spec_type="ngram-simple", synth_len=5.0), "--spec-synth-len"),
         (dict(synth_rates=(0.5, 0.4, 0.1)), "need a --spec-type"),
+        (dict(n_auto=True), "--spec-draft-n-auto needs a --spec-type"),
     ],
 )
 def test_bad_options(kwargs: dict[str, Any], words: str) -> None:

@@ -1,10 +1,11 @@
 """Speculative decoding in ``freetoken serve``, beside continuous batching: two live servers on
 one synthetic qwen35moe model with a multi-token-prediction layer, one plain and one with
-``--spec-type draft-mtp``, driven with the official ``openai`` client. Greedy completions of
-several prompts sent at once (so verify steps share forward passes with other requests'
-prompt chunks and decode tokens) are the same text on both; a request that shares a prefix
-with an earlier one (the slot's cut-back caches reused) too; ``/metrics`` counts drafted and
-accepted tokens; a request's ``speculative.*`` fields out of range get a 400 JSON error.
+``--spec-type draft-mtp``, driven with the official ``openai`` client (and a third with
+``--spec-draft-n-auto``). Greedy completions of several prompts sent at once (so verify steps
+share forward passes with other requests' prompt chunks and decode tokens) are the same text
+on both; a request that shares a prefix with an earlier one (the slot's cut-back caches
+reused) too; ``/metrics`` counts drafted and accepted tokens; a request's ``speculative.*``
+fields out of range get a 400 JSON error.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -31,22 +33,30 @@ PROMPTS = [
 ]
 
 
+SPEC = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    out = tmp_path_factory.mktemp("spec-server")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         vocab = llama_tree() / "models" / "ggml-vocab-llama-spm.gguf"
     except FileAccessError as e:
         pytest.skip(str(e))
-    path = make_test_model(
+    return make_test_model(
         "qwen35moe", layers=4, hidden=64, ffn=128, heads=2, kv_heads=1, head_dim=32,
         experts=4, top_k=2, expert_ffn=64, nextn_layers=1, seed=4, vocab=vocab,
-        out=out / "mtp.gguf", log=lambda _: None,
+        out=tmp_path_factory.mktemp("spec-model") / "mtp.gguf", log=lambda _: None,
     )  # fmt: skip
-    spec = ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    out = tmp_path_factory.mktemp("spec-server")
     with (
-        live_server(path, out / "plain.txt", ARGS) as plain,
-        live_server(path, out / "spec.txt", [*ARGS, *spec]) as speculative,
+        live_server(model, out / "plain.txt", ARGS) as plain,
+        live_server(model, out / "spec.txt", [*ARGS, *SPEC]) as speculative,
     ):
         yield plain, speculative
 
@@ -66,6 +76,19 @@ def test_greedy_text_equals_plain_under_batching(servers: tuple[Server, Server])
     assert spec.metric("freetoken_spec_drafted_tokens_total") > 0
     assert spec.metric("freetoken_spec_accepted_tokens_total") >= 0
     assert plain.metric("freetoken_spec_drafted_tokens_total") == 0
+
+
+def test_auto_draft_length_equals_plain_under_batching(
+    model: Path, servers: tuple[Server, Server], tmp_path: Path
+) -> None:
+    plain, _ = servers
+    auto = [*ARGS, *SPEC, "--spec-draft-n-auto"]
+    with live_server(model, tmp_path / "auto.txt", auto) as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            want = list(pool.map(lambda p: _complete(plain, p), PROMPTS))
+            got = list(pool.map(lambda p: _complete(server, p), PROMPTS))
+        assert got == want
+        assert server.metric("freetoken_spec_drafted_tokens_total") > 0
 
 
 def test_prefix_reuse_equals_plain(servers: tuple[Server, Server]) -> None:

@@ -20,6 +20,7 @@ from freetoken.default_model import default_model_path
 from freetoken.engine import options as engine_options
 from freetoken.engine import spec_options
 from freetoken.engine.audit import ExpertAudit
+from freetoken.engine.draft_length import DraftLength
 from freetoken.engine.options import EngineOptions
 from freetoken.engine.repack import RepackStats, cpu_served, quantized_weights, repack
 from freetoken.engine.spec_options import SpecOptions
@@ -178,6 +179,9 @@ class LLM:
                 self.spec, self.model, self.gguf, self.draft, self.placement
             )
         self._drafter: Drafter | None = None
+        #: ``--spec-draft-n-auto``: chooses each step's draft length (it keeps what the steps
+        #: cost from one generation to the next).
+        self._draft_length = DraftLength() if self.spec.n_auto else None
         # Allocated on first use: the server brings its own caches.
         self._cache: KVCache | None = None
         self._tokens: list[int] = []
@@ -343,23 +347,29 @@ class LLM:
                 if n == max_tokens or len(self._tokens) + 1 >= self.n_ctx:
                     return
             tok = pending[-1]
+            t2 = time.perf_counter()
+            n_max = self.spec.n_max
+            if self._draft_length is not None:
+                n_max = self._draft_length.choose(self.spec.limits)
             # Drafts past the last token asked for, or the context, are not worth a row.
-            room = min(self.spec.n_max, max_tokens - n - 1, self.n_ctx - len(self._tokens) - 2)
+            room = min(n_max, max_tokens - n - 1, self.n_ctx - len(self._tokens) - 2)
             limits = replace(self.spec.limits, n_max=room)
             draft = drafter.draft(history, limits) if room > 0 else []
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             cache.keep_steps = bool(draft)
             try:
                 rows = self._run([tok, *draft], all_logits=True)
             finally:
                 cache.keep_steps = False
-            _log_step("verify", len(draft) + 1, t2)
+            _log_step("verify", len(draft) + 1, t3)
             pending = verify_tokens(sampler, rows, history, draft, eog, synth)
             kept = len(pending) - 1
             counters.add(len(draft), kept)
             length = len(self._tokens) - len(draft) + kept
             cut_cache(cache, drafter, length)
             del self._tokens[length:]
+            if self._draft_length is not None:
+                self._draft_length.record(len(draft), kept, time.perf_counter() - t2)
 
     def _stream_text(
         self, tokens: list[int], max_tokens: int, params: SamplingParams, stop: Sequence[str]

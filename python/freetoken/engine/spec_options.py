@@ -32,13 +32,15 @@ class DraftLimits:
 @dataclass(frozen=True)
 class SpecOptions:
     """Speculative decoding settings (llama.cpp's flags of the same names; see the module
-    docstring). ``spec_type`` ``none`` turns it off; a ``draft_model`` alone means
+    docstring; ``n_auto``, ours, is ``--spec-draft-n-auto``: engine/draft_length.py chooses
+    each step's length). ``spec_type`` ``none`` turns it off; a ``draft_model`` alone means
     ``draft-simple``."""
 
     spec_type: str = "none"
     n_max: int = 3
     n_min: int = 0
     p_min: float = 0.0
+    n_auto: bool = False
     draft_model: str | None = None
     synth_len: float | None = None
     synth_rates: tuple[float, ...] = ()
@@ -77,6 +79,8 @@ class SpecOptions:
                 raise InvalidInputError(
                     f"--spec-ngram-simple-size-{name} must be within 1..1024, got {value}"
                 )
+        if self.n_auto and not self.enabled:
+            raise InvalidInputError("--spec-draft-n-auto needs a --spec-type")
         if (self.synth_len is not None or self.synth_rates) and not self.enabled:
             raise InvalidInputError("--spec-synth-len/--spec-synth-rates need a --spec-type")
         synth_rates(self.synth_len, self.synth_rates, self.n_max)  # checks them
@@ -111,6 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="stop drafting below this probability of the draft's top token",
+    )
+    g.add_argument(
+        "--spec-draft-n-auto",
+        action="store_true",
+        help="each step drafts the length (0, n-min..n-max) with the most tokens per second, "
+        "from the steps' measured costs and acceptance",
     )
     g.add_argument(
         "-md", "--spec-draft-model", default=None, metavar="FILE", help="draft-simple's model"
@@ -148,6 +158,7 @@ def from_args(args: argparse.Namespace) -> SpecOptions:
         n_max=args.spec_draft_n_max,
         n_min=args.spec_draft_n_min,
         p_min=args.spec_draft_p_min,
+        n_auto=args.spec_draft_n_auto,
         draft_model=args.spec_draft_model,
         synth_len=args.spec_synth_len,
         synth_rates=rates,

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from freetoken.engine.draft_length import DraftLength
 from freetoken.engine.spec_options import MAX_DRAFT, DraftLimits, SpecOptions
 from freetoken.engine.speculative import Drafter, SynthAcceptance, cut_cache, verify_tokens
 from freetoken.errors import FreeTokenError, RequestError
@@ -168,12 +169,20 @@ class Job:
 
 class Slot:
     """A KV cache and the tokens it holds (kept after a job for prefix reuse), and with
-    speculative decoding its drafter."""
+    speculative decoding its drafter (and with ``--spec-draft-n-auto`` what chooses its
+    draft lengths, which keeps the steps' costs from one job to the next)."""
 
-    def __init__(self, index: int, cache: KVCache, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        cache: KVCache,
+        drafter: Drafter | None = None,
+        draft_length: DraftLength | None = None,
+    ) -> None:
         self.index = index
         self.cache = cache
         self.drafter = drafter
+        self.draft_length = draft_length
         self.tokens: list[int] = []
         self.job: Job | None = None
         self.last_used = 0.0
@@ -264,6 +273,7 @@ class Scheduler:
                 i,
                 model.new_cache(n_ctx, max_step=step),
                 drafter() if self.spec and drafter else None,
+                DraftLength() if self.spec and self.spec.n_auto else None,
             )
             for i in range(n_slots)
         ]
@@ -498,12 +508,18 @@ class Scheduler:
                 self._sample_or_fail(job, row)
         batch: list[tuple[Job, list[int], bool]] = []
         drafts: dict[int, list[int]] = {}
+        t0 = time.perf_counter()
+        # Decoding jobs whose slot chooses its draft lengths: their steps are timed.
+        timed: list[tuple[Job, DraftLength]] = []
         for job in self._active:
             if job._next is not None:
                 draft = self._draft(job)
                 if draft:
                     drafts[job.id] = draft
                 batch.append((job, [job._next, *draft], True))
+                length = job._slot.draft_length if job._slot and job._limits else None
+                if length is not None:
+                    timed.append((job, length))
         budget = self.batch_tokens
         for job in self._active:
             if job._next is not None or budget <= 0:
@@ -552,12 +568,15 @@ class Scheduler:
             for _, cache in seqs:
                 cache.keep_steps = False
         self.hooks.on_step(len(batch), sum(len(t) for _, t, _ in batch))
+        kept: dict[int, int] = {}
         for (job, toks, ready), row in zip(batch, logits, strict=True):
             slot = job._slot
             assert slot is not None
             slot.tokens += toks
             if job.id in drafts:
-                self._verify_or_fail(job, row, drafts[job.id])
+                n = self._verify_or_fail(job, row, drafts[job.id])
+                if n is not None:
+                    kept[job.id] = n
                 continue
             if job._next is None:
                 job._n_past += len(toks)
@@ -565,6 +584,11 @@ class Scheduler:
                     slot.prompt_len, slot.prompt_logits = job._n_past, row.clone()
             if ready:
                 self._sample_or_fail(job, row)
+        # A step's time is all its jobs': a slot choosing its lengths sees the others' in it.
+        seconds = time.perf_counter() - t0
+        for job, length in timed:
+            if job.id in kept or job.id not in drafts:
+                length.record(len(drafts.get(job.id, [])), kept.get(job.id, 0), seconds)
 
     def _draft(self, job: Job) -> list[int]:
         """The draft after a decoding job's sampled token (none without speculation)."""
@@ -576,13 +600,15 @@ class Scheduler:
             job.req.max_tokens - job.completion_tokens - 1,
             self.n_ctx - slot.cache.length - 2,
         )
+        if slot.draft_length is not None:
+            room = min(room, slot.draft_length.choose(limits))
         if room <= 0:
             return []
         return slot.drafter.draft(job._history, replace(limits, n_max=room))
 
-    def _verify_or_fail(self, job: Job, rows: torch.Tensor, draft: list[int]) -> None:
+    def _verify_or_fail(self, job: Job, rows: torch.Tensor, draft: list[int]) -> int | None:
         """Keeps the drafts the rule accepts, emits them and the target's token after them,
-        and cuts the slot back to the tokens kept."""
+        and cuts the slot back to the tokens kept; how many were kept (None: failed)."""
         slot, sampler = job._slot, job._sampler
         assert slot is not None and sampler is not None and slot.drafter is not None
         try:
@@ -594,14 +620,15 @@ class Scheduler:
             del slot.tokens[length:]
         except Exception as e:
             self._fail(job, e, "verify")
-            return
+            return None
         job.drafted += len(draft)
         job.accepted += kept
         self.hooks.on_draft(len(draft), kept)
         for i, tok in enumerate(out):
             self._emit(job, tok, rows[i])
             if job._slot is None:  # finished
-                return
+                break
+        return kept
 
     def _fail(self, job: Job, e: Exception, what: str) -> None:
         log.exception("%s failed", what)
