@@ -35,7 +35,9 @@ GPU: ``--moe-strategy gpu``) runs the decode rows too, and beside each split row
 bound its step is held to: max(upload ms, CPU ms) + the all-resident step's ms at the same
 stream count (its decode span over its longest stream's tokens after the first), and the
 measured step over it. Peak VRAM per server process (nvidia-smi, when present) and its peak RSS
-(VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every round.
+(VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every round, saved
+after each with the peaks so far, so that a run cut by a time limit leaves its finished rounds
+(``--table out.json`` prints their table).
 
     python3 benches/bench_server_streams.py -m MODEL.gguf --llama-server PATH \\
         --streams 4,16,32 --rounds 3 --prompt-tokens 4096 \\
@@ -531,7 +533,12 @@ def _save(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 def main() -> int:
     """Starts the servers, runs the rounds, prints the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-m", "--model")
+    ap.add_argument(
+        "--table",
+        metavar="JSON",
+        help="only print the table of a saved run (--json's file, a cut run's rounds too)",
+    )
     ap.add_argument("--llama-server", help="llama-server binary (left out when not given)")
     ap.add_argument("--streams", default="4,16,32", help="comma-separated stream counts")
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
@@ -555,6 +562,13 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            doc = json.load(f)
+        print(table(doc["rows"], doc.get("vram_mib", {}), doc.get("rss_mib", {})), end="")
+        return 0
+    if not args.model:
+        ap.error("-m/--model is required")
     prompt_slots = [args.prompt_streams] if args.prompt_tokens else []
     slots = max([int(n) for n in args.streams.split(",")] + prompt_slots)
     poll = Poller()
@@ -577,7 +591,12 @@ def main() -> int:
             servers[label] = srv
         for r in range(args.rounds):
             rows += _one_round(servers, args, r)
-            _save(args, {"args": vars(args), "rows": rows})  # what a timeout leaves
+            # What a timeout leaves: the rows so far and each server's peaks so far.
+            peaks = {
+                "vram_mib": {label: poll.peak.get(srv.proc.pid) for label, srv in servers.items()},
+                "rss_mib": {label: _rss_peak_mib(srv.proc.pid) for label, srv in servers.items()},
+            }
+            _save(args, {"args": vars(args), **peaks, "rows": rows})
     finally:
         for label, srv in servers.items():
             info[label] = srv.stop() | {"stderr": srv.stderr}
@@ -592,7 +611,10 @@ def main() -> int:
     for label, err in failed.items():
         print(f"{label}: did not start: {err}")
     print(table(rows, vram, rss))
-    _save(args, {"args": vars(args), "servers": info, "vram_mib": vram, "rows": rows})
+    _save(
+        args,
+        {"args": vars(args), "servers": info, "vram_mib": vram, "rss_mib": rss, "rows": rows},
+    )
     return 1 if failed or any("error" in r for r in rows) else 0
 
 

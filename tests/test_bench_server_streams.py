@@ -6,6 +6,7 @@ peak VRAM + 5%, and a split row is held to max(upload, CPU) + the all-resident s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,29 @@ def test_split_row_against_its_bound() -> None:
         {},
     )
     assert "bound 32.0 ms (resident 12.0), 1.25x" in table  # max(8, 20) + 12
+
+
+def test_table_of_a_saved_run(tmp_path: Path, capsys: Any) -> None:
+    # A run cut after two rounds: the table is the medians of what the file holds, with the
+    # peaks saved beside the rounds.
+    rows = [
+        {"kind": "decode", "streams": 4, "engine": e, "server": e, "aggregate_tps": v}
+        for e, vals in (("llama.cpp", (100.0, 120.0)), ("freetoken", (130.0, 150.0)))
+        for v in vals
+    ]
+    doc = {"rows": rows, "vram_mib": {"freetoken": 9000}, "rss_mib": {"llama.cpp": 20000.0}}
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(doc))
+    argv = sys.argv
+    sys.argv = ["bench_server_streams.py", "--table", str(path)]
+    try:
+        assert bss.main() == 0
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    mine = next(line for line in out.splitlines() if "| freetoken |" in line)
+    cells = [c.strip() for c in mine.strip("|").split("|")]
+    assert cells[3:5] == ["2/2", "140.0"]  # median of 130 and 150
+    assert cells[7] == f"{140.0 / 110.0:.2f}"  # against llama.cpp's median
+    assert cells[10] == "9000"
+    assert "| llama.cpp (ref) |" in out and "| 20000 |" in out
