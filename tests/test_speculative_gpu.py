@@ -2,7 +2,9 @@
 experts): greedy tokens with speculation equal those without on the same strategy, 128 tokens
 after prompts of two lengths, for the model's own MTP head (glm4moe, and the Gated DeltaNet
 hybrids where a GPU placement takes them), a draft-model pair (the target's weights at a
-coarser quantization) and n-gram drafts. The verify step is one forward step of N + 1 tokens
+coarser quantization) and n-gram drafts, and with the draft length chosen per step
+(``--spec-draft-n-auto``: plain steps, with the head shown them, between verify steps of
+every length). The verify step is one forward step of N + 1 tokens
 through the strategy. The MTP head's layer runs on the trunk's GPU, teacher-forced against the
 same head on the CPU engine."""
 
@@ -76,6 +78,7 @@ def _greedy(llm: LLM, prompt: list[int]) -> list[int]:
     [
         ("glm4moe-mtp", dict(spec_type="draft-mtp")),
         ("qwen35moe-mtp", dict(spec_type="draft-mtp")),
+        ("qwen35moe-mtp", dict(spec_type="draft-mtp", n_auto=True)),
         ("target", dict(spec_type="draft-simple", n_max=4)),
         ("target", dict(spec_type="ngram-simple", ngram_size_n=1, ngram_size_m=4, n_max=4)),
     ],
