@@ -16,7 +16,9 @@ Drafters (``--spec-type``):
   target's hidden states of every position it runs.
 
 A drafter stops early where its top token's probability falls below ``--spec-draft-p-min``,
-and a draft shorter than ``--spec-draft-n-min`` is dropped. ``--spec-synth-len`` /
+and a draft shorter than ``--spec-draft-n-min`` is dropped; with ``--spec-draft-n-auto``
+(ours) each step drafts the length the sequence's measured steps favour
+(engine/draft_length.py). ``--spec-synth-len`` /
 ``--spec-synth-rates`` (benchmarks only, as llama.cpp's) keep each draft position with a set
 probability whatever the tokens, so the output is not the model's.
 """
