@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from freetoken.runtime.sampler import Sampler, SamplingParams
 from freetoken.runtime.speculative import SpecCounters
 from freetoken.tokenizer import Tokenizer
 from freetoken.tokenizer.textstream import StopFilter
+
+if TYPE_CHECKING:
+    from freetoken.engine.placement import Placement
 
 __all__ = ["LLM", "GenerationStats", "load_llm"]
 
@@ -136,7 +139,11 @@ class LLM:
             n_ctx = self.model.cfg.context_length
         self.n_ctx = n_ctx
         #: Where the model went (None: all on the CPU).
-        self.placement = engine_options.apply(self.model, engine, n_ctx)
+        self.placement: Placement | None = None
+        if engine_options.use_gpu(engine):
+            from freetoken.engine.placement import place
+
+            self.placement = place(self.model, engine, n_ctx)
         #: What was repacked for the CPU kernels at load (engine/repack.py; None: ``--no-repack``).
         self.repacked: RepackStats | None = None
         if engine.repack:

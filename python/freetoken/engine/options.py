@@ -1,6 +1,7 @@
 """Where a model runs: the engine flags shared by ``generate``, ``bench``, ``serve`` and
-``profile``, and :func:`apply` that acts on them after loading (``freetoken.llm.load_llm``
-loads a model with them)."""
+``profile``, and :func:`use_gpu`, whether they send a model to the GPU
+(``engine.placement.place`` then acts on them; ``freetoken.llm.load_llm`` loads a model with
+them)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ import argparse
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from freetoken.engine.split import SPLIT_MODES, SplitPlan, parse_tensor_split
 from freetoken.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from freetoken.engine.placement import Placement
-    from freetoken.models.transformer import Transformer
 
 __all__ = [
     "CACHE_SCOPES",
@@ -24,7 +20,6 @@ __all__ = [
     "MOE_STRATEGIES",
     "EngineOptions",
     "add_arguments",
-    "apply",
     "from_args",
     "use_gpu",
 ]
@@ -312,27 +307,3 @@ def _note_cpu_only() -> None:
     line, detail = gpu.cpu_only_notice(gpu.status(), torch.cuda.is_available())
     _log.warning(line)
     _log.info("GPU: %s", detail)
-
-
-def apply(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement | None:
-    """Places ``model`` per ``opts`` (nothing to do on the CPU); returns the placement."""
-    if not use_gpu(opts):
-        return None
-    from freetoken.engine.placement import place_on_gpu
-
-    return place_on_gpu(
-        model,
-        strategy=opts.moe_strategy,
-        dense=opts.dense_weights,
-        n_ctx=n_ctx,
-        cache_mib=opts.moe_cache_mib,
-        cache_scope=opts.moe_cache_scope,
-        cache_profile=opts.moe_cache_profile,
-        cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
-        cpu_layers=opts.moe_cpu_layers,
-        fetch_share=opts.moe_fetch_share,
-        split_mode=opts.split_mode,
-        tensor_split=opts.tensor_split,
-        main_gpu=opts.main_gpu,
-        split_plan=opts.split_plan,
-    )

@@ -48,7 +48,7 @@ from freetoken.engine.gpu_moe import (
     gpu_servable,
 )
 from freetoken.engine.hybrid import HybridExperts
-from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES
+from freetoken.engine.options import DENSE_MODES, MOE_STRATEGIES, EngineOptions
 from freetoken.engine.split import SplitPlan, plan_split
 from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.models.layers import Embedding, HeadwiseLinear, Linear
@@ -62,7 +62,7 @@ from freetoken.runtime.slots import CachePlan, plan_pools
 if TYPE_CHECKING:
     from freetoken.models.mtp import MtpHead
 
-__all__ = ["Placement", "place_mtp_head", "place_on_gpu"]
+__all__ = ["Placement", "place", "place_mtp_head", "place_on_gpu"]
 
 log = logging.getLogger("freetoken")
 
@@ -236,6 +236,27 @@ def _split_plan(
         expert_bytes=[sizes.get(i, 0) for i in range(n_layers)],
     )
     return plan
+
+
+def place(model: Transformer, opts: EngineOptions, n_ctx: int) -> Placement:
+    """Places ``model`` on the GPU per the engine options ``opts`` (the caller has checked
+    :func:`~freetoken.engine.options.use_gpu`); returns the placement."""
+    return place_on_gpu(
+        model,
+        strategy=opts.moe_strategy,
+        dense=opts.dense_weights,
+        n_ctx=n_ctx,
+        cache_mib=opts.moe_cache_mib,
+        cache_scope=opts.moe_cache_scope,
+        cache_profile=opts.moe_cache_profile,
+        cache_policy="adaptive" if opts.moe_cache_adaptive else "lru",
+        cpu_layers=opts.moe_cpu_layers,
+        fetch_share=opts.moe_fetch_share,
+        split_mode=opts.split_mode,
+        tensor_split=opts.tensor_split,
+        main_gpu=opts.main_gpu,
+        split_plan=opts.split_plan,
+    )
 
 
 def place_on_gpu(
