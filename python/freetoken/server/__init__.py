@@ -235,7 +235,8 @@ def build_state(
 def run(args: argparse.Namespace) -> int:
     """Runs the server until interrupted; returns the exit status."""
     from freetoken.errors import InvalidInputError
-    from freetoken.server.app import create_app, serve
+    from freetoken.server.app import serve
+    from freetoken.server.routes import create_app
 
     if args.parallel < 1:
         raise InvalidInputError(f"--parallel must be at least 1, got {args.parallel}")

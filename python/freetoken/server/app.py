@@ -1,4 +1,5 @@
-"""The aiohttp application: routes, API key check, OpenAI-shaped errors, SSE streaming.
+"""The aiohttp handlers of the OpenAI and llama.cpp endpoints, the API key check, OpenAI-shaped
+errors, SSE streaming (server/routes.py puts them and Anthropic's on one application).
 
 Handlers only validate, hand tokenization to a worker thread and await the scheduler's
 events, so the event loop never runs model compute. The server runs with handler
@@ -29,7 +30,17 @@ from freetoken.server.prompt import render_chat, starts_in_reasoning
 from freetoken.server.scheduler import GenerationRequest, Job, Scheduler, TokenLogprob
 from freetoken.server.toolcalls import OutputDelta, OutputParser
 
-__all__ = ["EventStream", "ServerConfig", "ServerState", "create_app", "open_stream", "serve"]
+__all__ = [
+    "STATE",
+    "EventStream",
+    "ServerConfig",
+    "ServerState",
+    "auth_middleware",
+    "errors_middleware",
+    "open_stream",
+    "serve",
+    "start_chat_job",
+]
 
 log = logging.getLogger("freetoken.server")
 T = TypeVar("T")
@@ -161,7 +172,11 @@ _HTTP_TYPES = {401: "authentication_error", 404: "not_found_error"}
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+async def errors_middleware(
+    request: web.Request, handler: Callable[..., Any]
+) -> web.StreamResponse:
+    """Turns a handler's errors into JSON error responses (OpenAI's shape, Anthropic's on
+    ``/v1/messages``) and counts each request and its time."""
     t0 = time.perf_counter()
     err: RequestError | None = None
     try:
@@ -200,7 +215,9 @@ async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.Stre
 
 
 @web.middleware
-async def _auth(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+async def auth_middleware(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+    """With ``--api-key``, a 401 unless the request carries the key (``Authorization: Bearer``
+    or ``x-api-key``); the public paths pass."""
     key = _state(request).cfg.api_key
     if key and request.path not in PUBLIC_PATHS:
         auth = request.headers.get("Authorization", "")
@@ -570,24 +587,6 @@ async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text."""
     text = _state(request).metrics.render()
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
-
-
-def create_app(state: ServerState) -> web.Application:
-    """The application with every route (each ``/v1`` route also without the prefix)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=MAX_BODY)
-    app[STATE] = state
-    for prefix in ("/v1", ""):
-        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
-        app.router.add_post(f"{prefix}/completions", completions)
-        app.router.add_get(f"{prefix}/models", models)
-        app.router.add_get(f"{prefix}/health", health)
-    from freetoken.server import anthropic
-
-    app.router.add_post("/v1/messages", anthropic.messages)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/metrics", metrics)
-    return app
 
 
 async def serve(
