@@ -41,7 +41,7 @@ class DraftLength:
 
     def __init__(self) -> None:
         self._costs: dict[int, collections.deque[float]] = {}
-        self._runs: dict[int, int] = {}
+        #: The step count at each length's latest step (absent: the length never ran).
         self._last_run: dict[int, int] = {}
         self._tried = [0.0] * MAX_DRAFT
         self._kept = [0.0] * MAX_DRAFT
@@ -99,11 +99,9 @@ class DraftLength:
         ``seconds`` of wall time."""
         assert 0 <= kept <= drafted <= MAX_DRAFT, (kept, drafted)
         self._steps += 1
-        runs = self._runs.get(drafted, 0)
-        self._runs[drafted] = runs + 1
-        self._last_run[drafted] = self._steps
-        if runs:
+        if drafted in self._last_run:  # a length's first step is not its cost
             self._costs.setdefault(drafted, collections.deque(maxlen=WINDOW)).append(seconds)
+        self._last_run[drafted] = self._steps
         for j in range(min(kept + 1, drafted)):
             self._tried[j] += 1.0
             self._kept[j] += 1.0 if j < kept else 0.0
