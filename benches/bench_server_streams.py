@@ -143,6 +143,10 @@ class Poller:
                 self.peak[pid] = max(self.peak.get(pid, 0), mib)
             time.sleep(0.5)
 
+    def peaks(self, pids: dict[str, int]) -> dict[str, int | None]:
+        """The peak GPU memory so far of each labelled process (None: not seen)."""
+        return {label: self.peak.get(pid) for label, pid in pids.items()}
+
     def stop(self) -> None:
         self._done.set()
         self._t.join()
@@ -589,19 +593,25 @@ def main() -> int:
                 print(msg, file=sys.stderr, flush=True)
                 continue
             servers[label] = srv
+        pids = {label: srv.proc.pid for label, srv in servers.items()}
         for r in range(args.rounds):
             rows += _one_round(servers, args, r)
             # What a timeout leaves: the rows so far and each server's peaks so far.
-            peaks = {
-                "vram_mib": {label: poll.peak.get(srv.proc.pid) for label, srv in servers.items()},
-                "rss_mib": {label: _rss_peak_mib(srv.proc.pid) for label, srv in servers.items()},
-            }
-            _save(args, {"args": vars(args), **peaks, "rows": rows})
+            rss_now = {label: _rss_peak_mib(pid) for label, pid in pids.items()}
+            _save(
+                args,
+                {
+                    "args": vars(args),
+                    "vram_mib": poll.peaks(pids),
+                    "rss_mib": rss_now,
+                    "rows": rows,
+                },
+            )
     finally:
         for label, srv in servers.items():
             info[label] = srv.stop() | {"stderr": srv.stderr}
         poll.stop()
-    vram = {label: poll.peak.get(srv.proc.pid) for label, srv in servers.items()}
+    vram = poll.peaks(pids)
     rss = {label: info[label]["peak_rss_mib"] for label in info}
     prompts = f"{args.prompt_tokens}-token prompts x {args.prompt_streams}"
     print(f"model {args.model}: {args.max_tokens} tokens per stream, ", end="")
