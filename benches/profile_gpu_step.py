@@ -1,16 +1,17 @@
 """Where a GPU step's time goes: the CUDA kernels of one prompt pass and of eager decode
 steps (no graph, so each kernel shows), by total time and count, from torch.profiler, and
 with ``--sequence N`` the first N kernels of a step in order; the replayed-graph decode
-step's time and the GPU's busy time within it; with ``--batch N``, decode steps of N
-sequences at once (the server's continuous batching: eager), timed, with the host's share
-(hybrid's CPU thread busy time) and a profile of one.
+step's time and the GPU's busy time within it; with ``--batch N[,N...]``, decode steps
+of N sequences at once (the server's continuous batching: replayed graphs up to
+``MAX_BATCH`` sequences, eager above), timed, with the host's share (hybrid's CPU thread busy
+time) and a profile of one.
 
 With hybrid, also where the host's time goes over replayed decode steps (cProfile: waiting
 for the step, slot bookkeeping, uploads).
 
     python benches/profile_gpu_step.py -m MODEL.gguf [-p 512] [--dense-weights quant] \
         [--moe-strategy hybrid --moe-cache-mib N [--moe-cache-adaptive] \
-        [--moe-cache-profile FILE]] [-t THREADS] [--batch 4] [--sequence 120]
+        [--moe-cache-profile FILE]] [-t THREADS] [--batch 4,16,32] [--sequence 120]
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ def main() -> None:
     ap.add_argument("--moe-cache-profile", default=None)
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("-t", "--threads", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=0, help="sequences of a batched decode step")
+    ap.add_argument(
+        "--batch",
+        type=lambda v: [int(n) for n in v.split(",")],
+        default=[],
+        help="sequences of a batched decode step (comma separated: each size in turn)",
+    )
     ap.add_argument(
         "--sequence", type=int, default=0, help="list this many kernels of a step in order"
     )
@@ -106,8 +112,8 @@ def main() -> None:
     )
     if model.step_hook is not None:
         host_profile(model, cache)
-    if args.batch:
-        batched_steps(model, args)
+    for n in args.batch:
+        batched_steps(model, n, args)
 
 
 def _sequence(prof: profile, per_step: int, n: int) -> None:
@@ -155,9 +161,9 @@ def host_profile(model: Transformer, cache: object, steps: int = 64) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
-def batched_steps(model: Transformer, args: argparse.Namespace) -> None:
-    """Times decode steps of ``--batch`` sequences (one token each, each its own cache)."""
-    caches = [model.new_cache(args.p + 64) for _ in range(args.batch)]
+def batched_steps(model: Transformer, batch: int, args: argparse.Namespace) -> None:
+    """Times decode steps of ``batch`` sequences (one token each, each its own cache)."""
+    caches = [model.new_cache(args.p + 64) for _ in range(batch)]
     for i, c in enumerate(caches):
         model.forward(list(range(100 + i, 100 + i + args.p)), c)
     hook = model.step_hook
@@ -175,14 +181,14 @@ def batched_steps(model: Transformer, args: argparse.Namespace) -> None:
     secs = (time.perf_counter() - t0) / steps
     busy = ((hook.stats().cpu_busy_s if hook is not None else 0.0) - busy) / steps
     print(
-        f"\nbatched decode, {args.batch} sequences: {secs * 1e3:.2f} ms per step "
-        f"({args.batch / secs:.1f} t/s), host expert thread busy {busy * 1e3:.2f} ms per step"
+        f"\nbatched decode, {batch} sequences: {secs * 1e3:.2f} ms per step "
+        f"({batch / secs:.1f} t/s), host expert thread busy {busy * 1e3:.2f} ms per step"
     )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(4 + steps)
         torch.cuda.synchronize()
     for key in ("cuda_time_total", "self_cpu_time_total"):
-        _table(prof, f"one batched decode step of {args.batch} sequences", args.rows, key)
+        _table(prof, f"one batched decode step of {batch} sequences", args.rows, key)
 
 
 if __name__ == "__main__":

@@ -504,11 +504,20 @@ bench_jobs_ab() {
     done
 }
 
-# Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model.
+# Where a step's time goes (benches/profile_gpu_step.py) on the benchmark model, or with
+# FT_PRESET set on preset_model's; FT_PROFILE_ARGS adds the script's flags (--batch 4,16 ...).
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    bench_model
-    python3 benches/profile_gpu_step.py -m "$BENCH_MODEL" -p 512 2>&1 | tee "$OUT/profile.log"
+    local model=$BENCH_MODEL extra
+    if [ -n "${FT_PRESET:-}" ]; then
+        preset_model
+        model=$PRESET_MODEL
+    else
+        bench_model
+    fi
+    read -r -a extra <<<"${FT_PROFILE_ARGS:-}"
+    python3 benches/profile_gpu_step.py -m "$model" -p 512 "${extra[@]}" 2>&1 |
+        tee "$OUT/profile${FT_PRESET:+_$FT_PRESET}.log"
 }
 
 [ $# -gt 0 ] || {

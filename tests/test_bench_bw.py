@@ -40,8 +40,10 @@ KIND_KEYS = {
     "types", "hidden", "ffn", "n_experts", "top_k", "layers", "expert_bytes", "threads",
     "cpu_t1", "cpu_t8", "pcie_expert", "pcie_bulk", "pcie_source", "gpu_t1",
     "cpu_t1_with_gpu", "gpu_t1_with_cpu", "cpu_t1_with_pcie", "pcie_expert_with_cpu",
+    "pcie_gather", "cpu_t1_with_gather", "pcie_gather_with_cpu", "gather_detail",
     "gpu_detail", "b_cpu_gbps", "b_pcie_gbps", "b_gpu_gbps", "b_cpu_with_pcie_gbps",
-    "b_pcie_with_cpu_gbps", "break_even_reuse", "model", "measured_at",
+    "b_pcie_with_cpu_gbps", "b_gather_gbps", "b_cpu_with_gather_gbps",
+    "b_gather_with_cpu_gbps", "break_even_reuse", "model", "measured_at",
 }  # fmt: skip
 RATE_KEYS = {"nbytes", "seconds", "calls", "experts", "gbps"}
 
@@ -203,6 +205,12 @@ def test_without_a_gpu_the_gpu_parts_are_unavailable(
             "b_pcie_gbps",
             "b_cpu_with_pcie_gbps",
             "b_pcie_with_cpu_gbps",
+            "pcie_gather",
+            "cpu_t1_with_gather",
+            "pcie_gather_with_cpu",
+            "b_gather_gbps",
+            "b_cpu_with_gather_gbps",
+            "b_gather_with_cpu_gbps",
             "break_even_reuse",
         ):
             assert entry[name] is None, name
@@ -448,6 +456,18 @@ def test_gpu_figures(models: dict[str, Path]) -> None:
         assert e["cpu_t1_with_pcie"]["gbps"] > 0
         assert e["b_cpu_with_pcie_gbps"] == e["cpu_t1_with_pcie"]["gbps"]
         assert e["b_pcie_with_cpu_gbps"] == e["pcie_expert_with_cpu"]["gbps"]
+        # The fetch kernel reads the mapping (the test models' experts are one range each).
+        assert e["gather_detail"] is None
+        for name in ("pcie_gather", "pcie_gather_with_cpu"):
+            rate = e[name]
+            assert rate["gbps"] > 0 and rate["nbytes"] == rate["experts"] * one_expert
+        assert e["cpu_t1_with_gather"]["gbps"] > 0
+        for b, rate in (
+            ("b_gather_gbps", "pcie_gather"),
+            ("b_cpu_with_gather_gbps", "cpu_t1_with_gather"),
+            ("b_gather_with_cpu_gbps", "pcie_gather_with_cpu"),
+        ):
+            assert e[b] == e[rate]["gbps"]
         for name in ("gpu_t1", "gpu_t1_with_cpu"):
             rate = e[name]
             assert rate["gbps"] > 0 and rate["nbytes"] == rate["calls"] * top_k * one_expert
@@ -482,3 +502,32 @@ def test_gpu_pools_hold_the_layers_experts(models: dict[str, Path]) -> None:
         # K-quants, up to 2.8% from float64: benches/moe_accuracy.py); measured 2.9% apart on
         # the H200. A pool holding other experts is off by about 100%.
         assert err < 5e-2, (ex.index, float(err))
+
+
+@pytest.mark.gpu
+def test_gpu_gather_copies_the_walks_experts(models: dict[str, Path]) -> None:
+    """The fetch kernel's loop gathers the experts its list names (after a pass, the last
+    call's) into the staging slots in order, and zeroes the top-k dummy slots after them."""
+    import torch
+    from freetoken.engine.bandwidth import GatherLoop, group_layers
+    from freetoken.gguf import GGUFFile
+    from freetoken.models import load_model
+
+    model = load_model(GGUFFile(models["moe"]), None, 1)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for layers in group_layers(model).values():
+        ex = layers[0]
+        loop = GatherLoop(ex, dev)
+        rate = loop.measure(0.0)
+        assert rate.calls == len(loop.lists) and rate.experts == rate.calls * loop.n
+        torch.cuda.synchronize()
+        last = loop.lists[-1, : loop.n].tolist()
+        assert sorted(set(loop.lists[:, : loop.n].ravel().tolist())) == list(range(ex.n_experts))
+        for kind, pool in enumerate(loop.pools):
+            size = pool.matrix_nbytes
+            got = pool.tensor.cpu()
+            for slot, expert in enumerate(last):
+                want = ex.host(kind, expert, 1)
+                assert torch.equal(got[slot * size : (slot + 1) * size], want), (kind, slot)
+            dummies = got[loop.n * size : (loop.n + ex.top_k) * size]
+            assert not dummies.any()

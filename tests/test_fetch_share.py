@@ -5,6 +5,7 @@ output."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -119,13 +120,22 @@ def test_links_from_a_profile() -> None:
     assert Links.of(None) == Links(
         DEFAULT_B_CPU, DEFAULT_B_PCIE, DEFAULT_B_GPU, DEFAULT_B_CPU, DEFAULT_B_PCIE
     )
-    full = KindBandwidth("k", 12, 90.0, 50.0, 900.0, 1.8, 70.0, 40.0)
-    assert Links.of(full) == Links(90.0, 50.0, 900.0, 70.0, 40.0)
-    # An entry without the together figures (measured before them) uses each link alone.
+    # The fetch kernel's figures price the upload; the copy engine's stream layers.
+    full = KindBandwidth("k", 12, 90.0, 50.0, 900.0, 1.8, 70.0, 40.0, 25.0, 80.0, 22.0)
+    assert Links.of(full) == Links(90.0, 25.0, 900.0, 80.0, 22.0, stream=50.0)
+    # Without the fetch kernel's figures (a host that would not register the mapping, or a
+    # profile measured before them), the one-expert copies' price the upload.
+    copies = KindBandwidth("k", 12, 90.0, 50.0, 900.0, 1.8, 70.0, 40.0)
+    assert Links.of(copies) == Links(90.0, 50.0, 900.0, 70.0, 40.0, stream=50.0)
+    # Without the together figures, each link alone.
+    alone = KindBandwidth("k", 12, 90.0, 50.0, 900.0, 1.8, b_gather_gbps=25.0)
+    assert Links.of(alone) == Links(90.0, 25.0, 900.0, 90.0, 25.0, stream=50.0)
     old = KindBandwidth("k", 12, 90.0, 50.0, 900.0, 1.8)
-    assert Links.of(old) == Links(90.0, 50.0, 900.0, 90.0, 50.0)
+    assert Links.of(old) == Links(90.0, 50.0, 900.0, 90.0, 50.0, stream=50.0)
     cpu_only = KindBandwidth("k", 12, 90.0, None, None, None)
-    assert Links.of(cpu_only) == Links(90.0, DEFAULT_B_PCIE, DEFAULT_B_GPU, 90.0, DEFAULT_B_PCIE)
+    assert Links.of(cpu_only) == Links(
+        90.0, DEFAULT_B_PCIE, DEFAULT_B_GPU, 90.0, DEFAULT_B_PCIE, stream=DEFAULT_B_PCIE
+    )
 
 
 def test_a_step_without_fetching_is_the_stream_or_split_rule() -> None:
@@ -157,6 +167,11 @@ def test_a_step_that_fetches() -> None:
         32, 0.25, 128, 8, {(LINKS, s): 40, (slow, s): 8}, share=0.0, overhead_s=0.0
     )
     assert math.isclose(stream2, 40 * 128 * s / 60e9 + 8 * 128 * s / 5e9)
+    # A copy engine faster than the fetch kernel: streaming at its rate, the fetch at the
+    # kernel's (the same split as above).
+    copies = dataclasses.replace(LINKS, stream=120.0)
+    split3, stream3, _ = expect_step(32, 0.25, 128, 8, {(copies, s): 48}, overhead_s=0.0)
+    assert math.isclose(split3, split) and math.isclose(stream3, 48 * 128 * s / 120e9)
 
 
 def test_step_buckets() -> None:

@@ -40,17 +40,19 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"CPU: {doc['host']['cpu']}, {doc['host']['threads']} expert threads; GPU: {about}",
         "",
-        "| kind | layers | expert KiB | CPU t1 GB/s | CPU t8 GB/s | PCIe GB/s | GPU t1 GB/s "
-        "| CPU with GPU | GPU with CPU | break-even reuse |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| kind | layers | expert KiB | CPU t1 GB/s | CPU t8 GB/s | PCIe GB/s | fetch kernel "
+        "GB/s | GPU t1 GB/s | CPU with GPU | GPU with CPU | CPU with fetch | fetch with CPU "
+        "| break-even reuse |",
+        "| --- | --- |" + " ---: |" * 11,
     ]
     for key, e in doc["kinds"].items():
         reuse = e["break_even_reuse"]
         lines.append(
             f"| {key} | {','.join(map(str, e['layers']))} | {e['expert_bytes'] / 1024:.1f} "
             f"| {_gbps(e['cpu_t1'])} | {_gbps(e['cpu_t8'])} | {_gbps(e['pcie_expert'])} "
-            f"| {_gbps(e['gpu_t1'])} | {_gbps(e['cpu_t1_with_gpu'])} "
-            f"| {_gbps(e['gpu_t1_with_cpu'])} | {'-' if reuse is None else f'{reuse:.2f}'} |"
+            f"| {_gbps(e['pcie_gather'])} | {_gbps(e['gpu_t1'])} | {_gbps(e['cpu_t1_with_gpu'])} "
+            f"| {_gbps(e['gpu_t1_with_cpu'])} | {_gbps(e['cpu_t1_with_gather'])} "
+            f"| {_gbps(e['pcie_gather_with_cpu'])} | {'-' if reuse is None else f'{reuse:.2f}'} |"
         )
     return "\n".join(lines) + "\n"
 

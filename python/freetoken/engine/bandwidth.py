@@ -17,8 +17,12 @@ measured together, the GPU on the first of them:
 4. ``cpu_t1_with_gpu`` / ``gpu_t1_with_cpu``: (1) at T=1 in a background thread while (3)
    runs, each one's bandwidth while the other runs.
 5. ``cpu_t1_with_pcie`` / ``pcie_expert_with_cpu``: the same with (2)'s one-expert copies,
-   both links busy at once (host memory serves both): what a step that uploads part of its
-   misses while the CPU computes the rest gets from each (engine/fetch.py).
+   both links busy at once (host memory serves both).
+6. ``pcie_gather`` / ``cpu_t1_with_gather`` / ``pcie_gather_with_cpu``: hybrid's fetch kernel
+   (``gpu.fetch_gather``: the GPU's own threads read the page-locked mapping, no copy engine)
+   gathering :data:`GATHER_EXPERTS` experts a call, alone and beside (1): what a step that
+   uploads part of its misses while the CPU computes the rest gets from each
+   (engine/fetch.py prices the fetch with these when measured, else with (5)).
 
 From them, the fetch rule: fetch a missed expert over PCIe instead of computing it on the
 CPU when ``expected_reuse * B_pcie > B_cpu``, so the break-even reuse is ``B_cpu / B_pcie``
@@ -40,7 +44,7 @@ import numpy as np
 import torch
 
 from freetoken import _core
-from freetoken.engine.gpu_moe import ExpertLayer, gpu_servable, pin_host_memory
+from freetoken.engine.gpu_moe import ExpertLayer, gpu_servable, layer_pools, pin_host_memory
 from freetoken.errors import FreeTokenError, InvalidInputError, UnsupportedError
 from freetoken.quant import type_info
 from freetoken.runtime import gpu
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CpuLoop",
+    "GatherLoop",
     "GpuLoop",
     "LayerKind",
     "PcieLoop",
@@ -67,6 +72,9 @@ __all__ = [
 BATCH_TOKENS = 8
 #: At least this many ``moe_layer`` calls per captured graph (fewer: replay overhead shows).
 MIN_GRAPH_CALLS = 64
+#: Experts one measured fetch gathers: about what a layer of a 16-stream step fetches at a
+#: quarter of the experts cached (fewer experts keep fewer reads in flight).
+GATHER_EXPERTS = 32
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,48 @@ class PcieLoop:
         return _event_timed(self._bulk, seconds)
 
 
+class GatherLoop:
+    """Hybrid's fetch kernel on ``ex``'s experts: ``gpu.fetch_gather`` copying
+    :data:`GATHER_EXPERTS` of them a call from the registered mapping into staging slots,
+    the calls walking through all experts. The mapping stays registered for as long as the
+    loop lives; UnsupportedError where the fetch cannot read the layer (experts not evenly
+    spaced, or a host that refuses to register them)."""
+
+    def __init__(self, ex: ExpertLayer, device: torch.device) -> None:
+        sources = ex.fetch_sources()
+        if sources is None:
+            raise UnsupportedError("the experts are not evenly spaced in host memory")
+        if not pin_host_memory([ex], self):
+            raise UnsupportedError("the host refused to register the experts' mapping")
+        e, k = ex.n_experts, ex.top_k
+        self.ex, self.sources, self.n = ex, sources, min(GATHER_EXPERTS, e)
+        self.pools = layer_pools(ex, self.n + k, device)
+        rounds = math.ceil(e / self.n)
+        lists = np.full((rounds, e), -1, dtype=np.int32)
+        lists[:, : self.n] = (np.arange(rounds * self.n) % e).reshape(rounds, self.n)
+        self.lists = torch.from_numpy(lists).to(device)
+        self.stats = torch.zeros((rounds, gpu.FETCH_STATS), dtype=torch.int64, device=device)
+        self.stats[:, gpu.FETCH_N] = self.n
+
+    def _calls(self) -> tuple[int, int, int]:
+        for listed, stats in zip(self.lists, self.stats, strict=True):
+            gpu.fetch_gather(
+                self.pools,
+                self.sources,
+                listed,
+                stats,
+                top_k=self.ex.top_k,
+                max_fetch=self.n,
+                dummy_base=self.n,
+            )
+        calls = len(self.lists)
+        return calls * self.n * self.ex.expert_nbytes, calls, calls * self.n
+
+    def measure(self, seconds: float, stop: threading.Event | None = None) -> Rate:
+        """Gathers for ``seconds`` (or until ``stop``)."""
+        return _event_timed(self._calls, seconds, stop)
+
+
 def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     """``fn`` captured as a graph, after two warm-up runs on the capture stream (kernel
     setup, ggml's per-stream scratch pool)."""
@@ -323,10 +373,12 @@ class GpuLoop:
         return _event_timed(replay, seconds, stop)
 
 
-def run_together(cpu: CpuLoop, other: GpuLoop | PcieLoop, seconds: float) -> tuple[Rate, Rate]:
-    """(4), (5): the CPU loop in a background thread while the other loop (the GPU kernels,
-    or one-expert copies over PCIe) runs for ``seconds``; each one's rate over the same
-    span."""
+def run_together(
+    cpu: CpuLoop, other: GpuLoop | PcieLoop | GatherLoop, seconds: float
+) -> tuple[Rate, Rate]:
+    """(4) to (6): the CPU loop in a background thread while the other loop (the GPU
+    kernels, one-expert copies over PCIe, or the fetch kernel) runs for ``seconds``; each
+    one's rate over the same span."""
     stop = threading.Event()
     result: dict[str, Any] = {}
 
@@ -385,7 +437,8 @@ def _break_even(b_cpu: float, b_pcie: float | None) -> float | None:
 def _gpu_part(
     cpu: CpuLoop, ex: ExpertLayer, device: torch.device, seconds: float
 ) -> dict[str, Any]:
-    """(2) to (5) for one kind; ``gpu_detail`` says why the kernels were skipped."""
+    """(2) to (6) for one kind; ``gpu_detail`` says why the kernels were skipped,
+    ``gather_detail`` why the fetch kernel was."""
     pcie = PcieLoop(ex, device)
     out: dict[str, Any] = {
         "pcie_expert": pcie.measure(seconds).to_json(),
@@ -396,6 +449,16 @@ def _gpu_part(
     out["cpu_t1_with_pcie"] = cpu_rate.to_json()
     out["pcie_expert_with_cpu"] = pcie_rate.to_json()
     del pcie  # unregisters the mapping
+    try:
+        gather = GatherLoop(ex, device)
+    except UnsupportedError as e:
+        out["gather_detail"] = str(e)
+    else:
+        out["pcie_gather"] = gather.measure(seconds).to_json()
+        cpu_rate, gather_rate = run_together(cpu, gather, seconds)
+        out["cpu_t1_with_gather"] = cpu_rate.to_json()
+        out["pcie_gather_with_cpu"] = gather_rate.to_json()
+        del gather
     if not gpu_servable(ex):
         out["gpu_detail"] = "no GPU kernel for this layer (types, activation or biases)"
         return out
@@ -438,12 +501,15 @@ def measure_kind(
             "pcie_source",
             "cpu_t1_with_pcie",
             "pcie_expert_with_cpu",
+            "pcie_gather",
+            "cpu_t1_with_gather",
+            "pcie_gather_with_cpu",
             "gpu_t1",
             "cpu_t1_with_gpu",
             "gpu_t1_with_cpu",
         )
     )
-    entry["gpu_detail"] = None
+    entry["gpu_detail"] = entry["gather_detail"] = None
     if device is not None:
         try:
             entry |= _gpu_part(cpu, ex, device, seconds)
@@ -457,6 +523,9 @@ def measure_kind(
     for name, rate in (
         ("b_cpu_with_pcie_gbps", "cpu_t1_with_pcie"),
         ("b_pcie_with_cpu_gbps", "pcie_expert_with_cpu"),
+        ("b_gather_gbps", "pcie_gather"),
+        ("b_cpu_with_gather_gbps", "cpu_t1_with_gather"),
+        ("b_gather_with_cpu_gbps", "pcie_gather_with_cpu"),
     ):
         entry[name] = entry[rate]["gbps"] if entry[rate] else None
     entry["break_even_reuse"] = _break_even(b_cpu, b_pcie)

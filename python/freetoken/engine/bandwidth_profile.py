@@ -142,6 +142,12 @@ class KindBandwidth:
     """The CPU expert executor's while one-expert copies run over PCIe (both links busy)."""
     b_pcie_with_cpu_gbps: float | None = None
     """One-expert copies' while the CPU expert executor runs."""
+    b_gather_gbps: float | None = None
+    """Hybrid's fetch kernel's reads of the page-locked mapping."""
+    b_cpu_with_gather_gbps: float | None = None
+    """The CPU expert executor's while the fetch kernel runs."""
+    b_gather_with_cpu_gbps: float | None = None
+    """The fetch kernel's while the CPU expert executor runs."""
 
     def should_fetch(self, expected_reuse: float) -> bool:
         """Whether a missed expert expected to be used ``expected_reuse`` times (this miss
@@ -198,6 +204,9 @@ def _kind(key: str, entry: dict[str, Any]) -> KindBandwidth:
         break_even_reuse=opt("break_even_reuse"),
         b_cpu_with_pcie_gbps=opt("b_cpu_with_pcie_gbps"),
         b_pcie_with_cpu_gbps=opt("b_pcie_with_cpu_gbps"),
+        b_gather_gbps=opt("b_gather_gbps"),
+        b_cpu_with_gather_gbps=opt("b_cpu_with_gather_gbps"),
+        b_gather_with_cpu_gbps=opt("b_gather_with_cpu_gbps"),
     )
 
 

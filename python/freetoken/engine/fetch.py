@@ -7,10 +7,12 @@ The model, per layer and step: each missed expert is read once by the side that 
 ``n_f S / B_pcie`` and the GPU then computes them in ``n_f S / B_gpu``; the CPU reads the
 other ``n_c = n - n_f`` in ``n_c S / B_cpu``. The layer's time is the larger of the two, plus
 a fixed cost when anything is fetched (the copy kernel's start and its first round trip over
-PCIe). Each
-``B`` is the layer kind's ``bench-bw`` figure: with the other link busy when both run
-(``cpu_t1_with_pcie``, ``pcie_expert_with_cpu``), alone when one side has nothing
-(``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_expert``). The rule takes
+PCIe). Each ``B`` is the layer kind's ``bench-bw`` figure: with the other link busy when both run
+(``cpu_t1_with_gather``, ``pcie_gather_with_cpu``), alone when one side has nothing
+(``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_gather``). The upload is
+the fetch kernel's (the GPU's threads read the mapped experts, since only the device knows
+which to fetch), which reads host memory at its own rate, below the copy engine's; a profile
+without it prices the upload at the one-expert copies' figures. The rule takes
 the whole number of experts with the least time, the fewest uploads among equals; the experts
 with the most routes go first (the GPU computes many routes of an expert for little more than
 one, the CPU does not). Above 8 tokens a step (``price_routes``) each CPU route is priced as
@@ -58,27 +60,38 @@ BUCKETS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 
 @dataclass(frozen=True)
 class Links:
-    """One layer kind's bandwidths, GB/s: each link alone and while the other one runs."""
+    """One layer kind's bandwidths, GB/s: each link alone and while the other one runs.
+    ``pcie`` is the fetch's upload (the fetch kernel's reads when measured), ``stream`` the
+    copy engine's, which streamed layers use (None: ``pcie``)."""
 
     cpu: float
     pcie: float
     gpu: float
     cpu_with_pcie: float
     pcie_with_cpu: float
+    stream: float | None = None
 
     @classmethod
     def of(cls, kind: KindBandwidth | None) -> Links:
-        """From a layer kind's ``bench-bw`` figures; what was not measured is assumed
-        (the defaults above; a link's figure alone when it was not measured together)."""
+        """From a layer kind's ``bench-bw`` figures; what was not measured is assumed: the
+        fetch kernel's figures from the copy engine's, a link's figure together from its
+        figure alone, and the defaults above for the rest."""
         if kind is None:
             return cls(DEFAULT_B_CPU, DEFAULT_B_PCIE, DEFAULT_B_GPU, DEFAULT_B_CPU, DEFAULT_B_PCIE)
-        pcie = kind.b_pcie_gbps or DEFAULT_B_PCIE
+        copies = kind.b_pcie_gbps or DEFAULT_B_PCIE
+        if kind.b_gather_gbps is not None:
+            pcie, pcie_with_cpu = kind.b_gather_gbps, kind.b_gather_with_cpu_gbps
+            cpu_with_pcie = kind.b_cpu_with_gather_gbps
+        else:
+            pcie, pcie_with_cpu = copies, kind.b_pcie_with_cpu_gbps
+            cpu_with_pcie = kind.b_cpu_with_pcie_gbps
         return cls(
             cpu=kind.b_cpu_gbps,
             pcie=pcie,
             gpu=kind.b_gpu_gbps or DEFAULT_B_GPU,
-            cpu_with_pcie=kind.b_cpu_with_pcie_gbps or kind.b_cpu_gbps,
-            pcie_with_cpu=kind.b_pcie_with_cpu_gbps or pcie,
+            cpu_with_pcie=cpu_with_pcie or kind.b_cpu_gbps,
+            pcie_with_cpu=pcie_with_cpu or pcie,
+            stream=copies,
         )
 
 
@@ -207,7 +220,7 @@ def expect_step(
         )
         fixed = overhead_s if c.n_fetch else 0.0
         split_s += count * (max(c.upload_s, c.cpu_s) + fixed)
-        stream_s += count * e * nbytes / (links.pcie * 1e9)
+        stream_s += count * e * nbytes / ((links.stream or links.pcie) * 1e9)
         fetch |= c.n_fetch > 0
     return split_s, stream_s, fetch
 

@@ -48,6 +48,7 @@ __all__ = [
     "PoolShare",
     "ResidentExperts",
     "gpu_servable",
+    "layer_pools",
     "pin_host_memory",
 ]
 
@@ -300,9 +301,11 @@ def unregister_host_memory(addresses: list[int], _mapping_owners: list[Any]) -> 
         cudart.cudaHostUnregister(addr)
 
 
-def _pools(
+def layer_pools(
     ex: ExpertLayer, n_slots: int, device: torch.device, memory: Sequence[torch.Tensor] = ()
 ) -> Pools:
+    """Empty (gate, up, down) pools of ``n_slots`` of ``ex``'s experts on ``device``, each
+    in its own new tensor or at the start of the ``memory`` given per kind."""
     mems: list[torch.Tensor | None] = [*memory] if memory else [None, None, None]
     gate, up, down = (
         gpu.ExpertPool(m.qtype, m.k, m.rows, n_slots, device=device, memory=mem)
@@ -342,7 +345,7 @@ class _PlannedPools:
         for sh in shares:
             for pp in sh.plan.pools:
                 cache = SlotCache(pp.n_slots, pp.n_experts, policy=policy)
-                pools = _pools(self.layers[pp.layers[0]], pp.n_slots + extra_slots, sh.device)
+                pools = layer_pools(self.layers[pp.layers[0]], pp.n_slots + extra_slots, sh.device)
                 for li in pp.layers:
                     self.of_layer[li] = (cache, pools)
                 self._upload(pools, cache.seed(list(pp.residents)), non_blocking=False)
@@ -484,7 +487,7 @@ class OffloadExperts(_PlannedPools):
         copy_stream = self.copy_streams[dev]
         copy_stream.wait_event(buf.free)
         with torch.cuda.stream(copy_stream):
-            buf.pools = pools = _pools(ex, ex.n_experts, dev, buf.memory)
+            buf.pools = pools = layer_pools(ex, ex.n_experts, dev, buf.memory)
             ex.load(pools, 0, ex.n_experts, 0, non_blocking=self.pinned)
             buf.ready.record(copy_stream)
         buf.layer = ex.index

@@ -59,8 +59,8 @@ from freetoken.engine.gpu_moe import (
     PinnedExperts,
     Pools,
     PoolShare,
-    _pools,
     clear_last_cuda_error,
+    layer_pools,
     unregister_host_memory,
 )
 from freetoken.errors import DeviceError, FreeTokenError, ShapeError
@@ -280,7 +280,7 @@ class HybridExperts(OffloadExperts):
         for li in self.sources:
             dev = self.device_of[li]
             for b, buf in enumerate(self.staging[dev]):
-                self.staged[(li, b)] = _pools(self.layers[li], n_experts, dev, buf.memory)
+                self.staged[(li, b)] = layer_pools(self.layers[li], n_experts, dev, buf.memory)
         self.fetched_dev = {
             d: torch.zeros((n, n_experts), dtype=torch.int32, device=d) for d in self.devices
         }
