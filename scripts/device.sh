@@ -406,6 +406,8 @@ preset_ncmoe() {
 # prompts of FT_PROMPT_TOKENS (4096) tokens, FT_STREAMS_ROUNDS (3) rounds in turn, the
 # median of each row; FreeToken's step split (uploaded and CPU bytes and times per step)
 # beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
+# FT_STREAMS_NCMOE overrides the -ncmoe; a comma-separated list starts a llama-server per
+# value, each row's ratio against the fastest within FreeToken's peak VRAM + 5%.
 # An all-resident freetoken serve (FT_STREAMS_RESIDENT, default "--moe-strategy gpu -b 2048";
 # empty: none) runs the decode rows too: its step bounds each split row's.
 # bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
@@ -429,7 +431,7 @@ bench_streams() {
         --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
         --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
         "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-$cache} -b 2048 ${FT_STREAMS_ARGS:-}" \
-        "--llama-args=-ngl 99 -ncmoe ${FT_STREAMS_NCMOE:-$ncmoe} -fa off" \
+        "--llama-args=-ngl 99 -fa off" --ncmoe "${FT_STREAMS_NCMOE:-$ncmoe}" \
         "--resident-args=${FT_STREAMS_RESIDENT---moe-strategy gpu -b 2048}" \
         --json "$OUT/bench_streams$tag.json" 2>&1 | tee "$OUT/bench_streams$tag.log"
 }

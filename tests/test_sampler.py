@@ -258,6 +258,15 @@ def test_greedy_batch_equals_argmax() -> None:
     assert got == np.argmax(logits, axis=1).tolist()
 
 
+def test_greedy_takes_the_first_of_equal_maxima() -> None:
+    """llama.cpp's greedy sampler keeps the first token with the largest logit."""
+    sampler = Sampler(SamplingParams(temperature=0.0), 6)
+    x = torch.tensor([[0.5, 2.0, -1.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]])
+    assert sampler.sample_batch(x, [[], []]) == [1, 0]
+    with pytest.raises(InvalidInputError):
+        sampler.sample(torch.tensor([0.0, math.inf, 1.0, 2.0, 3.0, 4.0]))
+
+
 def test_penalties_change_greedy_pick() -> None:
     """Hand-worked cases, each fooling one plausible mistake."""
     greedy = SamplingParams(temperature=0.0, repeat_last_n=64)

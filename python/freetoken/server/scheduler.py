@@ -122,6 +122,12 @@ class Event:
     error: Exception | None = None
 
 
+def _deliver(events: list[tuple[Job, Event]]) -> None:
+    """On a client's event loop: each event into its job's queue, in order."""
+    for job, ev in events:
+        job.queue.put_nowait(ev)
+
+
 class Job:
     """A request inside the scheduler; the handler iterates :meth:`events`."""
 
@@ -283,6 +289,8 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="freetoken-engine", daemon=True)
         self._piece_cache: dict[int, bytes] = {}
+        # The events of the engine thread's current pass, handed over when it ends.
+        self._outbox: list[tuple[Job, Event]] = []
 
     # -- the event loop's side -------------------------------------------------------------
 
@@ -397,10 +405,21 @@ class Scheduler:
             job.finished = True
             if job.t_end is None:
                 job.t_end = time.perf_counter()
-        try:
-            job.loop.call_soon_threadsafe(job.queue.put_nowait, ev)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self._outbox.append((job, ev))
+
+    def _flush(self) -> None:
+        """Hands the pass's events to their clients' event loops in order, one wake-up per
+        loop: a wake-up per event writes to the loop's self-pipe and takes the GIL from the
+        engine thread once per token of every stream."""
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, ev in outbox:
+            by_loop.setdefault(job.loop, []).append((job, ev))
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _run(self) -> None:
         while True:
@@ -420,6 +439,7 @@ class Scheduler:
                     for job in list(self._active):
                         self._post(job, Event(error=err))
                         self._release(job)
+            self._flush()
         err = RequestError("the server is shutting down", status=503, err_type="server_error")
         with self._cond:
             for job in [*self._active, *self._pending]:
@@ -427,6 +447,7 @@ class Scheduler:
             self._pending.clear()
         for job in list(self._active):
             self._release(job)
+        self._flush()
 
     def _release(self, job: Job) -> None:
         slot = job._slot
