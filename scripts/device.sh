@@ -408,6 +408,8 @@ preset_ncmoe() {
 # beside its rows. FT_STREAMS_ARGS adds freetoken serve flags (--moe-fetch-share 0 ...).
 # FT_STREAMS_NCMOE overrides the -ncmoe; a comma-separated list starts a llama-server per
 # value, each row's ratio against the fastest within FreeToken's peak VRAM + 5%.
+# FT_STREAMS_TAG is added to the output names: the decode rows (FT_PROMPT_TOKENS=0) and the
+# prompt rows (FT_STREAMS=4 FT_STREAMS_RESIDENT=) of one model in two calls keep both files.
 # An all-resident freetoken serve (FT_STREAMS_RESIDENT, default "--moe-strategy gpu -b 2048";
 # empty: none) runs the decode rows too: its step bounds each split row's.
 # bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
@@ -423,6 +425,7 @@ bench_streams() {
     else
         bench_model
     fi
+    tag=$tag${FT_STREAMS_TAG:+_$FT_STREAMS_TAG}
     if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
         python3 -m freetoken bench-bw -m "$model" --seconds 1 2>&1 | tee "$OUT/bench_bw$tag.md"
     fi
