@@ -20,6 +20,10 @@
 #   bash scripts/device.sh bench-spec     on the GPU machine: speculative decoding (draft-mtp,
 #                                         synthetic acceptance) on the Qwen3.5-35B-A3B preset
 #                                         with its MTP layer, hybrid against llama-server -ncmoe
+#   bash scripts/device.sh profile        on the GPU machine: where a step's time goes
+#                                         (benches/profile_gpu_step.py; FT_PROFILE_ARGS)
+#   bash scripts/device.sh profile-serve  on the GPU machine: py-spy samples of freetoken
+#                                         serve's threads under concurrent streams
 #   bash scripts/device.sh bench-jobs     on the GPU machine's host, no CUDA build: the CPU
 #                                         executor's cost per one-token job (bench_moe_jobs.py)
 #   FT_ALT_REF=REF FT_ALT_NAME=NAME bash scripts/device.sh prepare-alt
@@ -137,8 +141,11 @@ prepare() {
     CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/tmp/ft-wheel-target} \
         FREETOKEN_GGML_CPU_OPTIONS="$CPU_OPTIONS" \
         maturin build --release --out "$DEV/wheels"
-    # gguf-py (pure Python) is not on the GPU machine's image.
+    # gguf-py (pure Python) is not on the GPU machine's image; py-spy samples the server there
+    # (profile-serve).
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$DEV/wheels" gguf==0.19.0
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+        -d "$DEV/wheels/tools" py-spy==0.4.3
     local pins
     # shellcheck disable=SC2086
     pins=$(.venv/bin/python -c 'import importlib.metadata as m, sys
@@ -525,6 +532,31 @@ profile_step() {
         tee "$OUT/profile${FT_PRESET:+_$FT_PRESET}.log"
 }
 
+# The served step from the inside: py-spy samples of every thread of freetoken serve
+# (FT_SERVE_ARGS, default all experts resident: "--moe-strategy gpu -b 2048") while
+# bench_server_streams.py drives FT_STREAMS (16) streams for 2 rounds, on the benchmark model
+# or FT_PRESET's; benches/spy_summary.py's table of them beside (the share inside
+# forward_batch against the scheduler's own work and the event loop's).
+profile_serve() {
+    [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
+    local model=$BENCH_MODEL tools=/tmp/ft-tools
+    if [ -n "${FT_PRESET:-}" ]; then
+        preset_model
+        model=$PRESET_MODEL
+    else
+        bench_model
+    fi
+    [ -x "$tools/bin/py-spy" ] ||
+        python3 -m pip install -q --no-index --no-deps --target "$tools" "$DEV"/wheels/tools/py_spy-*.whl
+    "$tools/bin/py-spy" record --subprocesses --threads --nonblocking -r 200 -f raw \
+        -o "$OUT/serve_spy.txt" -- python3 benches/bench_server_streams.py -m "$model" \
+        --streams "${FT_STREAMS:-16}" -n 64 --rounds 2 --prompt-tokens 0 \
+        "--freetoken-args=${FT_SERVE_ARGS:---moe-strategy gpu -b 2048}" --resident-args= \
+        --json "$OUT/serve_spy_streams.json" 2>&1 | tail -8
+    python3 benches/spy_summary.py "$OUT/serve_spy.txt" --inside forward_batch \
+        --inside Scheduler._step --top 25 | tee "$OUT/serve_spy.md"
+}
+
 [ $# -gt 0 ] || {
     awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"
     exit 2
@@ -547,10 +579,11 @@ for phase in "$@"; do
     bench-jobs) bench_jobs ;;
     bench-jobs-ab) bench_jobs_ab ;;
     profile) profile_step ;;
+    profile-serve) profile_serve ;;
     *)
         log "unknown phase $phase (prepare, prepare-alt, build, test, bench, bench-model," \
             "bench-e2e, bench-hybrid, bench-preset, preset-model, bench-streams, bench-spec," \
-            "bench-jobs, bench-jobs-ab, profile)"
+            "bench-jobs, bench-jobs-ab, profile, profile-serve)"
         exit 2
         ;;
     esac
