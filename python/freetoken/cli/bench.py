@@ -203,14 +203,17 @@ def run(args: argparse.Namespace) -> int:
 def _step_costs(
     model: Any, n_max: int, vocab: int, rng: random.Random, reps: int
 ) -> dict[int, float]:
-    """Milliseconds of one forward step of 1..``n_max`` tokens (a verify step's lengths) after
-    64 positions, cut back after each (the best of ``reps`` x 4 runs)."""
-    cache = model.new_cache(64 + n_max + 1)
+    """Milliseconds of one forward step of 1..``n_max`` tokens after 64 positions (the best
+    of ``reps`` x 4 runs): 2 and more as verify steps (every logit, the states after each
+    token kept), cut back after each; 1 as the plain decode step a draft of nothing runs,
+    last, one after another (a plain step keeps no states to cut back to)."""
+    runs = 4 * reps
+    cache = model.new_cache(64 + max(n_max, runs) + 1)
     model.forward([rng.randrange(vocab) for _ in range(64)], cache)
     out = {}
-    for k in range(1, n_max + 1):
+    for k in range(2, n_max + 1):
         best = math.inf
-        for _ in range(4 * reps):
+        for _ in range(runs):
             tokens = [rng.randrange(vocab) for _ in range(k)]
             cache.keep_steps = True
             t0 = time.perf_counter()
@@ -219,4 +222,10 @@ def _step_costs(
             cache.keep_steps = False
             cache.rewind(64)
         out[k] = best * 1e3
-    return out
+    best = math.inf
+    for _ in range(runs):
+        token = rng.randrange(vocab)
+        t0 = time.perf_counter()
+        model.forward([token], cache)
+        best = min(best, time.perf_counter() - t0)
+    return {1: best * 1e3, **out}
