@@ -224,6 +224,30 @@ def test_batched_sequences_keep_their_own_state(model_files: dict[str, Path]) ->
     _same_positions(model.forward([9], rb), db)
 
 
+def test_batched_decode_steps_match_each_sequence_alone(model_files: dict[str, Path]) -> None:
+    """Decode steps of three sequences in one batch (the CPU's batched Gated DeltaNet step:
+    the conv and norms over all rows, the delta rule per sequence in place) give each the
+    logits and states it gets decoding alone."""
+    for name in ("qwen35moe-legacy", "qwen3next-mixed"):
+        model = load_model(GGUFFile(model_files[name]))
+        prompts = [list(range(10, 30)), list(range(300, 307)), list(range(40, 52))]
+        steps = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]
+        batched = [model.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, batched, strict=True):
+            model.forward(p, c)
+        rows = [
+            model.forward_batch([([s[i]], c) for s, c in zip(steps, batched, strict=True)])
+            for i in range(4)
+        ]
+        for j, (p, s) in enumerate(zip(prompts, steps, strict=True)):
+            alone = model.new_cache(64)
+            model.forward(p, alone)
+            ref = torch.stack([model.forward([t], alone) for t in s])
+            _same_positions(ref, torch.stack([r[j] for r in rows]))
+            for got, want in zip(batched[j].ssm, alone.ssm, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
 def test_truncate_restores_a_snapshot_or_runs_again(model_files: dict[str, Path]) -> None:
     model = load_model(GGUFFile(model_files["qwen35-kquant"]))
     tokens = list(range(100, 200))

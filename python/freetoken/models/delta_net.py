@@ -21,7 +21,9 @@ Around it (:class:`DeltaNetLayer`): the fused ``attn_qkv`` projection through a 
 depthwise conv1d (its last ``conv_kernel - 1`` inputs are the rolling conv state) and SiLU,
 split into q, k, v; the heads' output RMS-normed per head by ``ssm_norm``, gated by
 ``silu(z)`` (``z = attn_gate x``), and projected by ``ssm_out``. On the GPU a decode step runs
-everything between the projections in two kernels (:func:`~freetoken.runtime.gpu.gdn_decode`).
+everything between the projections in two kernels (:func:`~freetoken.runtime.gpu.gdn_decode`);
+on the CPU it runs the conv and the norms over all its sequences at once and the delta rule
+in one call per sequence.
 """
 
 from __future__ import annotations
@@ -300,49 +302,78 @@ class DeltaNetLayer:
         b, a = self._beta_alpha(ba)
         states = [(conv, ssm) for _, conv, ssm in spans]
         weights = (self.conv, self.dt, self.a, self.norm)
-        if (
-            all(n == 1 for n, _, _ in spans)
-            and not any(keep_steps or ())
-            and gpu.gdn_decode_fits(mixed, z, b, a, weights, states)
-        ):
+        decode = all(n == 1 for n, _, _ in spans) and not any(keep_steps or ())
+        if decode and gpu.gdn_decode_fits(mixed, z, b, a, weights, states):
             o = gpu.gdn_decode(mixed, z, b, a, weights, states, self.shape.grouped, eps)
+            return self.out(o.reshape(-1, self.shape.value_dim)), states
+        s = self.shape
+        beta = torch.sigmoid(b.reshape(-1, s.v_heads))
+        g = F.softplus(a.reshape(-1, s.v_heads) + self.dt) * self.a
+        if decode and all(decodes_in_place(ssm) for _, ssm in states):
+            o, states = self._decode_cpu(mixed, beta, g, states, eps)
         else:
-            o, states = self._recurrence(mixed, z, b, a, spans, eps, keep_steps)
-        return self.out(o.reshape(-1, self.shape.value_dim)), states
+            o, states = self._recurrence(mixed, beta, g, spans, eps, keep_steps)
+        o = rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, s.head_dim))
+        return self.out(o.reshape(-1, s.value_dim)), states
+
+    def _heads(self, y: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+        """q (L2-normed and scaled), k (L2-normed) and v ``[n, v_heads, head_dim]`` from the
+        conv's output ``y [n, channels]`` after SiLU, each key head's q and k repeated for
+        its value heads."""
+        s = self.shape
+        n, d, r = y.shape[0], s.head_dim, s.v_heads // s.k_heads
+        q, k, v = y.split([s.k_heads * d, s.k_heads * d, s.value_dim], -1)
+        q = l2_norm(q.view(n, s.k_heads, d), eps) / math.sqrt(d)
+        k = l2_norm(k.view(n, s.k_heads, d), eps)
+        if r > 1:
+            q, k = ((t.repeat_interleave(r, 1) if s.grouped else t.repeat(1, r, 1)) for t in (q, k))
+        return q, k, v.view(n, s.v_heads, d)
+
+    def _decode_cpu(
+        self,
+        mixed: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor,
+        states: list[tuple[torch.Tensor, torch.Tensor]],
+        eps: float,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A decode step on the CPU, one token of each sequence (row ``j`` of ``mixed``,
+        ``beta``, ``g`` is sequence ``j``'s): the conv, SiLU and the norms over all rows at
+        once, then the delta rule one call per sequence, its state updated in place (a solo
+        step runs the same ops on one row). Returns the heads ``[n, v_heads, head_dim]`` and
+        each sequence's new states."""
+        xs = torch.cat([torch.stack([c for c, _ in states]), mixed[:, None]], 1)  # [n, K, C]
+        q, k, v = self._heads(F.silu((xs * self.conv.T).sum(1)), eps)
+        outs = [
+            delta_rule_decode(
+                q[j, :, None], k[j, :, None], v[j, :, None], g[j, :, None], beta[j, :, None], ssm
+            )
+            for j, (_, ssm) in enumerate(states)
+        ]
+        new = [(xs[j, 1:], ssm) for j, (_, ssm) in enumerate(states)]
+        return torch.cat(outs, 1).transpose(0, 1), new
 
     def _recurrence(
         self,
         mixed: torch.Tensor,
-        z: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
+        beta: torch.Tensor,
+        g: torch.Tensor,
         spans: list[tuple[int, torch.Tensor, torch.Tensor]],
         eps: float,
         keep_steps: list[bool] | None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """:meth:`__call__` between the projections in torch ops: the gated heads
-        ``[T, v_heads, head_dim]`` and each sequence's new states."""
-        s = self.shape
-        d, r = s.head_dim, s.v_heads // s.k_heads
-        beta = torch.sigmoid(b.reshape(-1, s.v_heads))
-        g = F.softplus(a.reshape(-1, s.v_heads) + self.dt) * self.a
+        """:meth:`__call__` between the projections and the output norm in torch ops, per
+        sequence: the heads ``[T, v_heads, head_dim]`` and each sequence's new states."""
         outs, states, row = [], [], 0
         for j, (n, conv_state, ssm_state) in enumerate(spans):
             keep = bool(keep_steps and keep_steps[j])
             rows = slice(row, row + n)
             y, conv_state = causal_conv(mixed[rows], conv_state, self.conv, keep)
-            y = F.silu(y)
-            q, k, v = y.split([s.k_heads * d, s.k_heads * d, s.value_dim], -1)
-            q = l2_norm(q.view(n, s.k_heads, d), eps) / math.sqrt(d)
-            k = l2_norm(k.view(n, s.k_heads, d), eps)
-            if r > 1:
-                q, k = (
-                    (t.repeat_interleave(r, 1) if s.grouped else t.repeat(1, r, 1)) for t in (q, k)
-                )
+            q, k, v = self._heads(F.silu(y), eps)
             args = (
                 q.transpose(0, 1),
                 k.transpose(0, 1),
-                v.view(n, s.v_heads, d).transpose(0, 1),
+                v.transpose(0, 1),
                 g[rows].T,
                 beta[rows].T,
                 ssm_state,
@@ -356,5 +387,4 @@ class DeltaNetLayer:
             outs.append(o.transpose(0, 1))
             states.append((conv_state, ssm_state))
             row += n
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, d)), states
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), states
