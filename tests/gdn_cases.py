@@ -1,5 +1,5 @@
 """Random Gated DeltaNet decode steps and their reference: the torch path of
-:class:`~freetoken.models.delta_net.DeltaNetLayer` (``_recurrence``, one token per sequence)
+:class:`~freetoken.models.delta_net.DeltaNetLayer` (``_gated_heads``, one token per sequence)
 in float64. Shared by the fused kernel's tests (emulated on the CPU, and on the GPU)."""
 
 from __future__ import annotations
@@ -106,6 +106,6 @@ def reference_step(
     torch_layer.conv, torch_layer.dt, torch_layer.a, torch_layer.norm = layer.weights
     spans = [(1, c, s) for c, s in layer.states]
     mixed, z, b, a = inputs
-    o, states = torch_layer._recurrence(mixed, z, b, a, spans, EPS, None)
+    o, states = torch_layer._gated_heads(mixed, z, b, a, spans, EPS, None)
     layer.states = states
     return o, states

@@ -300,21 +300,36 @@ class DeltaNetLayer:
         states in place and hand them back."""
         mixed, z, *ba = linear_group(self.in_proj, x)
         b, a = self._beta_alpha(ba)
+        o, states = self._gated_heads(mixed, z, b, a, spans, eps, keep_steps)
+        return self.out(o.reshape(-1, self.shape.value_dim)), states
+
+    def _gated_heads(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        spans: list[tuple[int, torch.Tensor, torch.Tensor]],
+        eps: float,
+        keep_steps: list[bool] | None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """What runs between the projections: the heads after the gated output norm
+        ``[T, v_heads, head_dim]`` and each sequence's new states. A decode step (one token
+        per sequence, no checkpoints) takes the GPU kernels where they fit, the batched CPU
+        step where every state is decoded in place; the rest the torch ops per sequence."""
+        s = self.shape
         states = [(conv, ssm) for _, conv, ssm in spans]
         weights = (self.conv, self.dt, self.a, self.norm)
         decode = all(n == 1 for n, _, _ in spans) and not any(keep_steps or ())
         if decode and gpu.gdn_decode_fits(mixed, z, b, a, weights, states):
-            o = gpu.gdn_decode(mixed, z, b, a, weights, states, self.shape.grouped, eps)
-            return self.out(o.reshape(-1, self.shape.value_dim)), states
-        s = self.shape
+            return gpu.gdn_decode(mixed, z, b, a, weights, states, s.grouped, eps), states
         beta = torch.sigmoid(b.reshape(-1, s.v_heads))
         g = F.softplus(a.reshape(-1, s.v_heads) + self.dt) * self.a
         if decode and all(decodes_in_place(ssm) for _, ssm in states):
             o, states = self._decode_cpu(mixed, beta, g, states, eps)
         else:
             o, states = self._recurrence(mixed, beta, g, spans, eps, keep_steps)
-        o = rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, s.head_dim))
-        return self.out(o.reshape(-1, s.value_dim)), states
+        return rms_norm(o, self.norm, eps) * F.silu(z.view(-1, s.v_heads, s.head_dim)), states
 
     def _heads(self, y: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
         """q (L2-normed and scaled), k (L2-normed) and v ``[n, v_heads, head_dim]`` from the
