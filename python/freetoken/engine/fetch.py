@@ -11,8 +11,9 @@ PCIe). Each ``B`` is the layer kind's ``bench-bw`` figure: with the other link b
 (``cpu_t1_with_gather``, ``pcie_gather_with_cpu``), alone when one side has nothing
 (``b_cpu_gbps``: the CPU while the GPU computes the hits; ``pcie_gather``). The upload is
 the fetch kernel's (the GPU's threads read the mapped experts, since only the device knows
-which to fetch), which reads host memory at its own rate, below the copy engine's; a profile
-without it prices the upload at the one-expert copies' figures. The rule takes
+which to fetch), which reads host memory at its own rate (22-26 GB/s on one H100 host, at
+the copy engine's on another); a profile without it prices the upload at the one-expert
+copies' figures. The rule takes
 the whole number of experts with the least time, the fewest uploads among equals; the experts
 with the most routes go first (the GPU computes many routes of an expert for little more than
 one, the CPU does not). Above 8 tokens a step (``price_routes``) each CPU route is priced as
