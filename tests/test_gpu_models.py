@@ -333,6 +333,33 @@ def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[
         _check(name, f"{strategy} batched decode {prompt!r}", ref, out)
 
 
+def test_a_batch_past_sixteen_sequences_is_one_graph(model_files: dict[str, Path]) -> None:
+    """24 sequences decoding together (a server's -np 32) settle into one captured step of 24
+    caches, and each sequence's logits still match the CPU's."""
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, "gpu", "quant")
+    model = llm.model
+    assert model.graphs is not None
+    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
+    pick = [i % len(PROMPTS) for i in range(24)]
+    caches = [model.new_cache(len(seqs[i])) for i in pick]
+    outs = [
+        [model.forward(seqs[i][: firsts[i] + 1], c).numpy()]
+        for i, c in zip(pick, caches, strict=True)
+    ]
+    for k in range(1, min(len(s) - 1 - f for s, f in zip(seqs, firsts, strict=True))):
+        rows = model.forward_batch(
+            [([seqs[i][firsts[i] + k]], c) for i, c in zip(pick, caches, strict=True)]
+        )
+        for out, row in zip(outs, rows, strict=True):
+            out.append(row.numpy())
+    assert any(len(key[0]) == 24 for key in model.graphs.graphs), "no 24-sequence graph ran"
+    for j, (i, out) in enumerate(zip(pick, outs, strict=True)):
+        ref = refs[i][: len(out)]
+        _check("qwen3moe", f"sequence {j} of 24 {PROMPTS[i]!r}", ref, np.stack(out))
+
+
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
 def test_hybrid_fetch_share_matches_cpu_and_gpu(

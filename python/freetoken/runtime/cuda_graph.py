@@ -45,7 +45,7 @@ __all__ = [
 #: Cached positions per bucket: a step attends over the next multiple of this.
 BUCKET = 256
 #: Most sequences a captured step takes (larger batches run eagerly).
-MAX_BATCH = 16
+MAX_BATCH = 32
 #: Most tokens of one sequence a captured step takes (a verify step: the sampled token and
 #: its draft; llama.cpp's largest default draft is 16).
 MAX_SPAN = 17
