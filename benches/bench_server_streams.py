@@ -36,7 +36,7 @@ bound its step is held to: max(upload ms, CPU ms) + the all-resident step's ms a
 stream count (its decode span over its longest stream's tokens after the first), and the
 measured step over it. Peak VRAM per server process (nvidia-smi, when present) and its peak RSS
 (VmHWM) are reported beside. Prints a markdown table; ``--json`` keeps every round, saved
-after each with the peaks so far, so that a run cut by a time limit leaves its finished rounds
+after each row with the peaks so far, so that a run cut by a time limit leaves its finished rows
 (``--table out.json`` prints their table).
 
     python3 benches/bench_server_streams.py -m MODEL.gguf --llama-server PATH \\
@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -391,9 +392,9 @@ def server_specs(args: argparse.Namespace) -> list[tuple[str, str, list[str]]]:
 
 def _one_round(
     servers: dict[str, Server], args: argparse.Namespace, r: int
-) -> list[dict[str, Any]]:
-    """Every server in turn on every stream count, then on the prompts, once."""
-    rows: list[dict[str, Any]] = []
+) -> Iterator[dict[str, Any]]:
+    """Every server in turn on every stream count, then on the prompts, once: each row as
+    it is measured."""
     rng = random.Random(r)
     prompts = [
         [rng.choice(PROMPT_IDS) for _ in range(args.prompt_tokens)]
@@ -421,8 +422,7 @@ def _one_round(
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
             print(f"bench_server_streams: {json.dumps(row)[:300]}", file=sys.stderr, flush=True)
-            rows.append(row)
-    return rows
+            yield row
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -595,18 +595,19 @@ def main() -> int:
             servers[label] = srv
         pids = {label: srv.proc.pid for label, srv in servers.items()}
         for r in range(args.rounds):
-            rows += _one_round(servers, args, r)
-            # What a timeout leaves: the rows so far and each server's peaks so far.
-            rss_now = {label: _rss_peak_mib(pid) for label, pid in pids.items()}
-            _save(
-                args,
-                {
-                    "args": vars(args),
-                    "vram_mib": poll.peaks(pids),
-                    "rss_mib": rss_now,
-                    "rows": rows,
-                },
-            )
+            for row in _one_round(servers, args, r):
+                rows.append(row)
+                # What a timeout leaves: the rows so far and each server's peaks so far.
+                rss_now = {label: _rss_peak_mib(pid) for label, pid in pids.items()}
+                _save(
+                    args,
+                    {
+                        "args": vars(args),
+                        "vram_mib": poll.peaks(pids),
+                        "rss_mib": rss_now,
+                        "rows": rows,
+                    },
+                )
     finally:
         for label, srv in servers.items():
             info[label] = srv.stop() | {"stderr": srv.stderr}
