@@ -215,8 +215,7 @@ def test_batched_sequences_keep_their_own_state(model_files: dict[str, Path]) ->
     for x, y in zip(alone, both, strict=True):
         _same_positions(x, y)
     # Decode steps of both in one batch, against each alone.
-    da = model.forward([7], ca)
-    db = model.forward_batch([([9], cb)])[0]
+    da, db = model.forward_batch([([7], ca), ([9], cb)])
     ra, rb = model.new_cache(256), model.new_cache(256)
     model.forward(a, ra)
     model.forward(b, rb)
