@@ -400,7 +400,7 @@ def test_preset_shape_and_overrides() -> None:
     import argparse
 
     from freetoken.testmodel import cli
-    from freetoken.testmodel.archs import get_arch
+    from freetoken.testmodel.registry import get_arch
     from freetoken.testmodel.writer import build_config
 
     parser = argparse.ArgumentParser()

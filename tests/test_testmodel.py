@@ -26,7 +26,7 @@ from freetoken.testmodel import (
     run,
     source_tensors,
 )
-from freetoken.testmodel.archs import ARCHS
+from freetoken.testmodel.registry import ARCHS
 from freetoken.testmodel.vocab import default_vocab, llama_tree
 from freetoken.testmodel.writer import build_config
 from gguf import GGMLQuantizationType as Q

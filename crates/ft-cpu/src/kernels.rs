@@ -35,6 +35,8 @@ mod avx2_gemm;
 mod avx2_repack;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
+#[cfg(target_arch = "x86_64")]
+mod blocks;
 
 /// Rows per pass of a group kernel.
 const GROUP: usize = 4;

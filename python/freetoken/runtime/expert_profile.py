@@ -9,16 +9,14 @@ import json
 import os
 from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from freetoken.errors import FileAccessError, InvalidInputError, UnsupportedError
-
-if TYPE_CHECKING:
-    from freetoken.runtime.slots import LayerSpec
 
 __all__ = [
     "FORMAT",
     "VERSION",
+    "MoeLayer",
     "expert_profile",
     "load_profile",
     "profile_of_layers",
@@ -86,9 +84,20 @@ def _count_list(value: Any, n: int, where: str) -> list[int]:
     return value
 
 
+class MoeLayer(Protocol):
+    """What a profile is checked against, per MoE layer (``slots.LayerSpec`` has it)."""
+
+    @property
+    def layer(self) -> int: ...
+    @property
+    def n_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+
+
 def load_profile(
     profile: Mapping[str, Any] | str | os.PathLike[str],
-    layers: Sequence[LayerSpec],
+    layers: Sequence[MoeLayer],
     *,
     architecture: str | None = None,
     n_layers: int | None = None,

@@ -17,9 +17,10 @@
 
 from __future__ import annotations
 
-from freetoken.testmodel.archs import ARCHS, ArchSpec, ModelConfig, TensorDef
+from freetoken.testmodel.archs import ArchSpec, ModelConfig, TensorDef
 from freetoken.testmodel.check import MIN_TOP1, check_peakedness, top1_probabilities
 from freetoken.testmodel.cli import add_arguments, run
+from freetoken.testmodel.registry import ARCHS
 from freetoken.testmodel.spec import QuantSpec, fallback_type, parse_quant_spec
 from freetoken.testmodel.vocab import default_vocab, llama_tree, read_vocab
 from freetoken.testmodel.writer import make_test_model, plan_tensors, source_tensors

@@ -1,10 +1,10 @@
 """Per-architecture tensor layouts and metadata of the synthetic test models.
 
-Each architecture is one :class:`ArchSpec` in :data:`ARCHS`. The layouts follow llama.cpp's
-loaders (``src/models/<arch>.cpp``, ``load_arch_tensors`` and ``load_arch_hparams``) and
-the metadata its converter writes (``convert_hf_to_gguf.py`` / ``conversion/``). Shapes here
-are numpy order: a matrix is ``(rows, K)`` where llama.cpp writes ``{K, rows}``
-(``ne[0] = K``); a stack of experts is ``(n_expert, rows, K)``.
+Each architecture is one :class:`ArchSpec` (all of them: ``registry.ARCHS``). The layouts
+follow llama.cpp's loaders (``src/models/<arch>.cpp``, ``load_arch_tensors`` and
+``load_arch_hparams``) and the metadata its converter writes (``convert_hf_to_gguf.py`` /
+``conversion/``). Shapes here are numpy order: a matrix is ``(rows, K)`` where llama.cpp
+writes ``{K, rows}`` (``ne[0] = K``); a stack of experts is ``(n_expert, rows, K)``.
 
 The MoE families are :class:`~freetoken.testmodel.archs_moe.MoeArch` subclasses in
 ``archs_moe.py`` (llama among them: with experts it is Mixtral); their options are the optional
@@ -24,13 +24,14 @@ from gguf import GGUFValueType
 from freetoken.errors import InvalidInputError
 
 __all__ = [
-    "ARCHS",
     "ArchSpec",
+    "Gemma3",
     "MetaItem",
     "ModelConfig",
+    "Qwen2",
+    "Qwen3",
     "RoutingSpec",
     "TensorDef",
-    "get_arch",
 ]
 
 
@@ -513,30 +514,6 @@ class Gemma3(GemmaLayout, ArchSpec):
                 "gemma3 with 62 layers is read by llama.cpp as the 27B model (another "
                 "attention scale); use another layer count"
             )
-
-
-# The MoE, hybrid and other architectures subclass ArchSpec, so they are defined after it.
-from freetoken.testmodel.archs_gemma4 import GEMMA4_ARCHS  # noqa: E402
-from freetoken.testmodel.archs_hybrid import HYBRID_ARCHS  # noqa: E402
-from freetoken.testmodel.archs_moe import MOE_ARCHS  # noqa: E402
-from freetoken.testmodel.archs_more import MORE_ARCHS  # noqa: E402
-
-#: The architectures make-test-model writes, by GGUF ``general.architecture``.
-ARCHS: dict[str, ArchSpec] = {
-    # llama is among the MoE architectures: Mixtral shares it (dense when experts == 0).
-    a.name: a
-    for a in (Qwen2(), Qwen3(), Gemma3(), *MOE_ARCHS, *MORE_ARCHS, *GEMMA4_ARCHS, *HYBRID_ARCHS)
-}
-
-
-def get_arch(name: str) -> ArchSpec:
-    """The :class:`ArchSpec` called ``name``; InvalidInputError if there is none."""
-    arch = ARCHS.get(name)
-    if arch is None:
-        raise InvalidInputError(
-            f"unknown architecture `{name}` (make-test-model writes: {', '.join(ARCHS)})"
-        )
-    return arch
 
 
 def gated_act_rms(act: str) -> float:

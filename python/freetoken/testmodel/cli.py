@@ -6,10 +6,11 @@ import argparse
 import sys
 
 from freetoken.errors import FreeTokenError, InvalidInputError
-from freetoken.testmodel.archs import ARCHS, OPTIONAL_FIELDS, swa_pattern_from_text
+from freetoken.testmodel.archs import OPTIONAL_FIELDS, swa_pattern_from_text
 from freetoken.testmodel.archs_gemma4 import SHAPE_PRESETS as GEMMA4_PRESETS
 from freetoken.testmodel.archs_hybrid import SHAPE_PRESETS as HYBRID_PRESETS
 from freetoken.testmodel.check import MIN_TOP1, top1_probabilities
+from freetoken.testmodel.registry import ARCHS
 from freetoken.testmodel.routing import ZIPF_S
 from freetoken.testmodel.writer import ROUTINGS, make_test_model
 

@@ -82,8 +82,8 @@ from freetoken.testmodel.archs import (
     ModelConfig,
     TensorDef,
     gated_act_rms,
-    get_arch,
 )
+from freetoken.testmodel.registry import get_arch
 from freetoken.testmodel.routing import (
     PROBS_BIAS_STD,
     ROUTER_SCALE,

@@ -13,17 +13,22 @@ import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from freetoken.errors import GGUFError, InvalidInputError
 
 if TYPE_CHECKING:
     import jinja2
 
-    from freetoken.tokenizer.core import Tokenizer
     from freetoken.tokenizer.sandbox import LimitedEnvironment
 
-__all__ = ["CHATML_TEMPLATE", "GEMMA_TEMPLATE", "fallback_template", "render_chat_template"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "GEMMA_TEMPLATE",
+    "TokenIds",
+    "fallback_template",
+    "render_chat_template",
+]
 
 #: ChatML: what llama.cpp uses for a file without a chat template.
 CHATML_TEMPLATE = (
@@ -70,7 +75,13 @@ GEMMA_TEMPLATE = """{{- bos_token -}}
 {%- endif -%}"""
 
 
-def fallback_template(tokenizer: Tokenizer) -> str:
+class TokenIds(Protocol):
+    """A vocabulary's lookup of a token's id (``Tokenizer`` has it)."""
+
+    def token_to_id(self, text: str) -> int | None: ...
+
+
+def fallback_template(tokenizer: TokenIds) -> str:
     """The template for a file without ``tokenizer.chat_template``: Gemma's format when the
     vocabulary has Gemma's turn tokens, else ChatML (as llama.cpp)."""
     if (

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from freetoken.errors import GGUFError, InvalidInputError
+from freetoken.tokenizer.chat import fallback_template, render_chat_template
 from freetoken.tokenizer.models import BpeModel, SpmModel
 from freetoken.tokenizer.pretok import BYTE_DECODER
 from freetoken.tokenizer.vocab import NULL, Attr, Vocab
@@ -355,8 +356,6 @@ class Tokenizer:
         format and others ChatML (llama.cpp's fallback). The result may start with the BOS
         text: :meth:`encode_chat` tokenizes it without doubling BOS.
         """
-        from freetoken.tokenizer.chat import fallback_template, render_chat_template
-
         template = chat_template or self.chat_template or fallback_template(self)
         specials = {}
         for role, name in (("bos", "bos_token"), ("eos", "eos_token"), ("unk", "unk_token")):

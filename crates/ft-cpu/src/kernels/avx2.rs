@@ -16,8 +16,7 @@
 //! MXFP4: of two accumulators, even and odd blocks, an odd last block added after it by a
 //! scalar tail). The K-quants' and IQ4_XS's fused multiply-add is one per 256 values.
 
-use super::avx512::e8m0_half;
-use super::avx512_k::IQ4_VALUES;
+use super::blocks::{e8m0_half, scales_and_mins, IQ4_VALUES};
 use super::{GroupFns, GROUP, PASS_ROWS};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
@@ -444,7 +443,7 @@ unsafe fn q45_k<const FIFTH: bool, const T: usize>(
             });
             for r in 0..GROUP {
                 let x = w.add(r * row_bytes + b * block);
-                let sm = super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read());
+                let sm = scales_and_mins(x.add(4).cast::<[u8; 12]>().read());
                 let ms = _mm256_cvtepu8_epi16(_mm_loadu_si128(sm.as_ptr().cast()));
                 let (xd, xdmin) = (fp16_at(x), fp16_at(x.add(2)));
                 let mins = _mm256_extracti128_si256::<1>(ms);

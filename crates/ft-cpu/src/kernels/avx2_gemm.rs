@@ -42,7 +42,7 @@
 //! + |fl(dmin_w d_a)| sum_s min_s |sum_(i in s) a_i|).
 
 use super::avx2::fp16_at;
-use super::avx512::e8m0_half;
+use super::blocks::{e8m0_half, scales_and_mins};
 use super::{GemmFn, GEMM_ROWS as ROWS};
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -452,8 +452,7 @@ unsafe fn pack_q45_k<const KIND: u8>(w: [*const u8; ROWS], supers: usize, dst: *
                 transpose(lo, out.add(16 * p));
                 transpose(hi, out.add(16 * p + 8));
             }
-            let sm =
-                x.map(|x| super::avx512_k::scales_and_mins(x.add(4).cast::<[u8; 12]>().read()));
+            let sm = x.map(|x| scales_and_mins(x.add(4).cast::<[u8; 12]>().read()));
             // Per row r, 16-bit lanes 2r and 2r + 1: a sub-block's scale twice; a pair of
             // sub-blocks' mins.
             let scales: [[i16; 16]; 8] =

@@ -303,7 +303,7 @@ unsafe fn q4_k<const T: usize>(
                 _mm256_set1_epi32(y.add(at).cast::<i32>().read_unaligned())
             };
             // Each row's 6-bit scales and mins unpacked in its lane (ggml's bit layout, as
-            // `avx512_k::scales_and_mins`): scales 0-3, 4-7, mins 0-3, 4-7, a byte each.
+            // `blocks::scales_and_mins`): scales 0-3, 4-7, mins 0-3, 4-7, a byte each.
             let u = [1, 2, 3].map(|i| _mm256_loadu_si256(x.add(32 * i).cast()));
             let high = |w: __m256i| {
                 _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(w), k3))

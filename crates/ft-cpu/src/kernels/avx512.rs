@@ -1,4 +1,5 @@
 use super::avx2::hsum_float_8;
+use super::blocks::e8m0_half;
 use super::{GroupFn, GroupFns, GROUP, TILES};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
@@ -371,15 +372,6 @@ unsafe fn fp16_x4(x: [*const u8; GROUP]) -> __m128 {
     // SAFETY: per the contract.
     let [a, b, c, d] = x.map(|p| unsafe { fp16_at(p) });
     _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, d, c, b, a))
-}
-
-/// ggml's `ggml_e8m0_to_fp32_half`: 2^(e - 128), subnormal below e = 2.
-pub(super) fn e8m0_half(e: u8) -> f32 {
-    f32::from_bits(if e < 2 {
-        0x0020_0000 << e
-    } else {
-        u32::from(e - 1) << 23
-    })
 }
 
 /// ggml's scalar tail of the MXFP4 and IQ4_NL dots for block `b` (an odd last one): per

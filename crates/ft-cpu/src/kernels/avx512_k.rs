@@ -27,6 +27,7 @@
 //! are ggml's.
 
 use super::avx512::{pair, row_sums, scaled_add, PREFETCH_ROWS, Q4};
+use super::blocks::{scales_and_mins, IQ4_VALUES};
 use super::GROUP;
 use std::arch::x86_64::*;
 
@@ -50,10 +51,6 @@ const Q6_K_BLOCK: usize = 210;
 /// Bytes of an IQ4_XS block: fp16 d, 16 bits of scale high bits, 4 bytes of scale low bits,
 /// 128 bytes of 4-bit table indices packed as Q4_0's (per 32-value sub-block).
 const IQ4_XS_BLOCK: usize = 136;
-/// IQ4_XS's (and IQ4_NL's) values of the 16 indices (ggml's `kvalues_iq4nl`).
-pub(super) const IQ4_VALUES: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
 /// Bytes of an IQ2_XXS block: fp16 d, then per 32-value sub-block 8 bytes: four indices into
 /// its 256-point grid (8 values each) and a word of four 7-bit sign indices and a 4-bit scale.
 const IQ2_XXS_BLOCK: usize = 66;
@@ -106,25 +103,6 @@ pub(super) const IQ1M: u8 = 12;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
-
-/// The eight scales and eight mins of a Q4_K block's 12 packed bytes, as ggml unpacks them.
-pub(super) fn scales_and_mins(p: [u8; 12]) -> [u8; 16] {
-    let w = |i: usize| u32::from_le_bytes([p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]]);
-    let (k1, k2, k3) = (0x3f3f_3f3f_u32, 0x0f0f_0f0f_u32, 0x0303_0303_u32);
-    let (u0, u1, u2) = (w(0), w(1), w(2));
-    // Scales of sub-blocks 0-3, 4-7, then mins of 0-3, 4-7.
-    let words = [
-        u0 & k1,
-        (u2 & k2) | (((u0 >> 6) & k3) << 4),
-        u1 & k1,
-        ((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4),
-    ];
-    let mut out = [0u8; 16];
-    for (o, w) in out.chunks_exact_mut(4).zip(words) {
-        o.copy_from_slice(&w.to_le_bytes());
-    }
-    out
-}
 
 /// `TOK` activation rows through [`pass`] in runs of [`PASS_TOKENS`].
 ///
