@@ -366,6 +366,18 @@ preset_model() {
     PRESET_MODEL=$out
 }
 
+# pick_model: preset_model's model with FT_PRESET set, else the 48-layer benchmark model
+# (each written if missing); its path in MODEL.
+pick_model() {
+    if [ -n "${FT_PRESET:-}" ]; then
+        preset_model
+        MODEL=$PRESET_MODEL
+    else
+        bench_model
+        MODEL=$BENCH_MODEL
+    fi
+}
+
 bench_preset() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
     local model tag
@@ -422,15 +434,13 @@ preset_ncmoe() {
 # bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    local model=$BENCH_MODEL cache=3888 ncmoe=31 tag=""
+    local model cache=3888 ncmoe=31 tag=""
+    pick_model
+    model=$MODEL
     if [ -n "${FT_PRESET:-}" ]; then
-        preset_model
-        model=$PRESET_MODEL
         read -r cache _ < <(python3 benches/moe_budget.py -m "$model" --fraction 0.25)
         ncmoe=$(preset_ncmoe)
         tag=_${FT_PRESET}_${FT_ROUTING:-uniform}
-    else
-        bench_model
     fi
     tag=$tag${FT_STREAMS_TAG:+_$FT_STREAMS_TAG}
     if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
@@ -520,15 +530,10 @@ bench_jobs_ab() {
 # FT_PRESET set on preset_model's; FT_PROFILE_ARGS adds the script's flags (--batch 4,16 ...).
 profile_step() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    local model=$BENCH_MODEL extra
-    if [ -n "${FT_PRESET:-}" ]; then
-        preset_model
-        model=$PRESET_MODEL
-    else
-        bench_model
-    fi
+    local extra
+    pick_model
     read -r -a extra <<<"${FT_PROFILE_ARGS:-}"
-    python3 benches/profile_gpu_step.py -m "$model" -p 512 "${extra[@]}" 2>&1 |
+    python3 benches/profile_gpu_step.py -m "$MODEL" -p 512 "${extra[@]}" 2>&1 |
         tee "$OUT/profile${FT_PRESET:+_$FT_PRESET}.log"
 }
 
@@ -539,17 +544,12 @@ profile_step() {
 # forward_batch against the scheduler's own work and the event loop's).
 profile_serve() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    local model=$BENCH_MODEL tools=/tmp/ft-tools
-    if [ -n "${FT_PRESET:-}" ]; then
-        preset_model
-        model=$PRESET_MODEL
-    else
-        bench_model
-    fi
+    local tools=/tmp/ft-tools
+    pick_model
     [ -x "$tools/bin/py-spy" ] ||
         python3 -m pip install -q --no-index --no-deps --target "$tools" "$DEV"/wheels/tools/py_spy-*.whl
     "$tools/bin/py-spy" record --subprocesses --threads --nonblocking -r 200 -f raw \
-        -o "$OUT/serve_spy.txt" -- python3 benches/bench_server_streams.py -m "$model" \
+        -o "$OUT/serve_spy.txt" -- python3 benches/bench_server_streams.py -m "$MODEL" \
         --streams "${FT_STREAMS:-16}" -n 64 --rounds 2 --prompt-tokens 0 \
         "--freetoken-args=${FT_SERVE_ARGS:---moe-strategy gpu -b 2048}" --resident-args= \
         --json "$OUT/serve_spy_streams.json" 2>&1 | tail -8

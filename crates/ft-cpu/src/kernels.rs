@@ -161,7 +161,7 @@ impl RowDots {
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 => avx2::group_fns(&kernel),
             #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx512 => avx512::group_fns(&kernel),
+            CpuIsa::Avx512 => avx512::group_fns(&kernel).or_else(|| avx512_k::group_fns(&kernel)),
             #[cfg(not(target_arch = "x86_64"))]
             _ => None,
         };

@@ -1,6 +1,6 @@
 use super::avx2::hsum_float_8;
 use super::blocks::e8m0_half;
-use super::{GroupFn, GroupFns, GROUP, TILES};
+use super::{GroupFns, GROUP, TILES};
 use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
 
@@ -94,43 +94,14 @@ const fn layout(kind: u8) -> (usize, i8) {
     }
 }
 
-/// The group kernels for `kernel`'s types, on a CPU with AVX-512 F/BW/VL and VNNI and a ggml
-/// whose row kernels take their AVX2 paths (the caller checks both).
+/// The legacy-block group kernels for `kernel`'s types (the K-quants' and IQ types':
+/// `avx512_k::group_fns`), on a CPU with AVX-512 F/BW/VL and VNNI and a ggml whose row kernels
+/// take their AVX2 paths (the caller checks both).
 pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
     const _: () = assert!(TILES[0] == 8 && TILES[1] == 4);
-    use super::avx512_k::{
-        tile as k, IQ1M, IQ1S, IQ2S, IQ2XS, IQ2XXS, IQ3S, IQ3XXS, IQ4XS, Q2K, Q3K, Q4K, Q5K, Q6K,
-    };
-    let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
-    // The K-quants' and IQ types' tiles, and their one-token kernel where it is the faster.
-    macro_rules! k_quant {
-        ($kind:ident, one) => {
-            fns([k::<$kind, 8>, k::<$kind, 4>], Some(k::<$kind, 1>))
-        };
-        ($kind:ident) => {
-            fns([k::<$kind, 8>, k::<$kind, 4>], None)
-        };
-    }
     match (kernel.weight_type(), kernel.act_type()) {
         (GgmlType::Q4_1, GgmlType::Q8_1) => Some(legacy::<Q41>()),
         (GgmlType::Q5_1, GgmlType::Q8_1) => Some(legacy::<Q51>()),
-        // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
-        // 130 against 133 at 2048 x 2048; benches/README.md).
-        (GgmlType::Q2_K, GgmlType::Q8_K) => k_quant!(Q2K),
-        (GgmlType::IQ4_XS, GgmlType::Q8_K) => k_quant!(IQ4XS),
-        // One token: ggml's IQ2_XXS row kernel is faster (0.22 against 0.24 ms at 2048 x
-        // 2048): its grid lookups are the work, and four rows share none of them.
-        (GgmlType::IQ2_XXS, GgmlType::Q8_K) => k_quant!(IQ2XXS),
-        (GgmlType::IQ3_XXS, GgmlType::Q8_K) => k_quant!(IQ3XXS),
-        (GgmlType::IQ1_S, GgmlType::Q8_K) => k_quant!(IQ1S),
-        (GgmlType::IQ2_XS, GgmlType::Q8_K) => k_quant!(IQ2XS),
-        (GgmlType::IQ3_S, GgmlType::Q8_K) => k_quant!(IQ3S),
-        (GgmlType::IQ2_S, GgmlType::Q8_K) => k_quant!(IQ2S),
-        (GgmlType::IQ1_M, GgmlType::Q8_K) => k_quant!(IQ1M),
-        (GgmlType::Q3_K, GgmlType::Q8_K) => k_quant!(Q3K, one),
-        (GgmlType::Q4_K, GgmlType::Q8_K) => k_quant!(Q4K, one),
-        (GgmlType::Q5_K, GgmlType::Q8_K) => k_quant!(Q5K, one),
-        (GgmlType::Q6_K, GgmlType::Q8_K) => k_quant!(Q6K, one),
         _ if kernel.act_type() != GgmlType::Q8_0 || !kernel.k().is_multiple_of(32) => None,
         (GgmlType::Q4_0, _) => Some(legacy::<Q4>()),
         (GgmlType::Q5_0, _) => Some(legacy::<Q5>()),

@@ -28,7 +28,8 @@
 
 use super::avx512::{pair, row_sums, scaled_add, PREFETCH_ROWS, Q4};
 use super::blocks::{scales_and_mins, IQ4_VALUES};
-use super::GROUP;
+use super::{GroupFn, GroupFns, GROUP, TILES};
+use freetoken_ggml::{GgmlType, VecDot};
 use std::arch::x86_64::*;
 
 /// Bytes of a Q2_K block: 16 bytes of 4-bit scales (low) and mins (high), one per 16 values;
@@ -87,22 +88,59 @@ const Q8_K_BLOCK: usize = 292;
 const Q8_K_SUMS: usize = 4 + 256;
 
 /// The weight types (const generic parameters).
-pub(super) const Q4K: u8 = 0;
-pub(super) const Q5K: u8 = 1;
-pub(super) const Q6K: u8 = 2;
-pub(super) const IQ4XS: u8 = 3;
-pub(super) const Q2K: u8 = 4;
-pub(super) const Q3K: u8 = 5;
-pub(super) const IQ2XXS: u8 = 6;
-pub(super) const IQ3XXS: u8 = 7;
-pub(super) const IQ1S: u8 = 8;
-pub(super) const IQ2XS: u8 = 9;
-pub(super) const IQ3S: u8 = 10;
-pub(super) const IQ2S: u8 = 11;
-pub(super) const IQ1M: u8 = 12;
+const Q4K: u8 = 0;
+const Q5K: u8 = 1;
+const Q6K: u8 = 2;
+const IQ4XS: u8 = 3;
+const Q2K: u8 = 4;
+const Q3K: u8 = 5;
+const IQ2XXS: u8 = 6;
+const IQ3XXS: u8 = 7;
+const IQ1S: u8 = 8;
+const IQ2XS: u8 = 9;
+const IQ3S: u8 = 10;
+const IQ2S: u8 = 11;
+const IQ1M: u8 = 12;
 /// Activation rows one pass over the weights serves: eight per-row accumulators of each kind
 /// for four rows fit the vector registers, more would spill.
 const PASS_TOKENS: usize = 4;
+
+/// The K-quants' and IQ types' group kernels for `kernel`'s types (Q8_K activations), on a CPU
+/// with AVX-512 F/BW/VL and VNNI and a ggml whose row kernels take their AVX2 paths (the
+/// caller checks both).
+pub(super) fn group_fns(kernel: &VecDot) -> Option<GroupFns> {
+    const _: () = assert!(TILES[0] == 8 && TILES[1] == 4);
+    let fns = |tiles: [GroupFn; 2], one| Some(GroupFns { tiles, one });
+    // The tiles, and the one-token kernel where it is the faster.
+    macro_rules! k_quant {
+        ($kind:ident, one) => {
+            fns([tile::<$kind, 8>, tile::<$kind, 4>], Some(tile::<$kind, 1>))
+        };
+        ($kind:ident) => {
+            fns([tile::<$kind, 8>, tile::<$kind, 4>], None)
+        };
+    }
+    match (kernel.weight_type(), kernel.act_type()) {
+        // One token: ggml's Q2_K and IQ4_XS row kernels are as fast (80 against 86 µs,
+        // 130 against 133 at 2048 x 2048; benches/README.md).
+        (GgmlType::Q2_K, GgmlType::Q8_K) => k_quant!(Q2K),
+        (GgmlType::IQ4_XS, GgmlType::Q8_K) => k_quant!(IQ4XS),
+        // One token: ggml's IQ2_XXS row kernel is faster (0.22 against 0.24 ms at 2048 x
+        // 2048): its grid lookups are the work, and four rows share none of them.
+        (GgmlType::IQ2_XXS, GgmlType::Q8_K) => k_quant!(IQ2XXS),
+        (GgmlType::IQ3_XXS, GgmlType::Q8_K) => k_quant!(IQ3XXS),
+        (GgmlType::IQ1_S, GgmlType::Q8_K) => k_quant!(IQ1S),
+        (GgmlType::IQ2_XS, GgmlType::Q8_K) => k_quant!(IQ2XS),
+        (GgmlType::IQ3_S, GgmlType::Q8_K) => k_quant!(IQ3S),
+        (GgmlType::IQ2_S, GgmlType::Q8_K) => k_quant!(IQ2S),
+        (GgmlType::IQ1_M, GgmlType::Q8_K) => k_quant!(IQ1M),
+        (GgmlType::Q3_K, GgmlType::Q8_K) => k_quant!(Q3K, one),
+        (GgmlType::Q4_K, GgmlType::Q8_K) => k_quant!(Q4K, one),
+        (GgmlType::Q5_K, GgmlType::Q8_K) => k_quant!(Q5K, one),
+        (GgmlType::Q6_K, GgmlType::Q8_K) => k_quant!(Q6K, one),
+        _ => None,
+    }
+}
 
 /// `TOK` activation rows through [`pass`] in runs of [`PASS_TOKENS`].
 ///
@@ -110,7 +148,7 @@ const PASS_TOKENS: usize = 4;
 /// `w` points at four rows of `row_bytes` bytes, each `blocks / 8` blocks of the weight type
 /// (`KIND`), `acts` at `TOK` rows of as many Q8_K blocks; the CPU has the enabled features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
-pub(super) unsafe fn tile<const KIND: u8, const TOK: usize>(
+unsafe fn tile<const KIND: u8, const TOK: usize>(
     w: *const u8,
     row_bytes: usize,
     acts: &[*const u8],
