@@ -32,7 +32,7 @@ from freetoken.engine.speculative import (
     drafter_factory,
     verify_tokens,
 )
-from freetoken.errors import InvalidInputError
+from freetoken.errors import InvalidInputError, UnsupportedError
 from freetoken.gguf import GGUFFile
 from freetoken.models import load_model
 from freetoken.models.transformer import Transformer
@@ -134,6 +134,7 @@ class LLM:
             self.gguf, bar, moe_threads, engine.moe_cpu_precise, poll_us, moe_shared=shared
         )
         self.model.swa_full = engine.swa_full
+        self.model.kv_dtypes = engine.kv_dtypes
         self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata)
         if n_ctx <= 0:
             n_ctx = self.model.cfg.context_length
@@ -141,6 +142,11 @@ class LLM:
         #: Where the model went (None: all on the CPU).
         self.placement: Placement | None = None
         if engine_options.use_gpu(engine):
+            if (engine.cache_type_k, engine.cache_type_v) != ("f32", "f32"):
+                raise UnsupportedError(
+                    "--cache-type-k/-v f16 runs on the CPU engine: GPU KV caches are f32 "
+                    "(--device cpu, or leave the cache types at f32)"
+                )
             from freetoken.engine.placement import place
 
             self.placement = place(self.model, engine, n_ctx)

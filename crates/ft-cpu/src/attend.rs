@@ -7,12 +7,68 @@
 //! sums its squares in f64 as ggml's `rms_norm` does; the dot products sum in eight f32 lanes
 //! (under AVX2 four chains of them, with fused multiply-adds); under AVX2 the softmax's
 //! exponentials run in eight lanes too (`simd::exp8`, within a few ulp of `exp`).
+//!
+//! The cache holds float32 or half-precision rows ([`CacheElem`]; llama.cpp's default
+//! `--cache-type-k/v f16` halves what a long context reads): a key or value is stored rounded
+//! to the nearest half and read back exactly, so a half cache computes what a float32 cache
+//! holding the rounded values would.
 
 use crate::isa::{cpu_isa, CpuIsa};
 use crate::pool::ThreadPool;
 use freetoken_ggml::{Error, Result};
+pub use half::f16;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::Mutex;
+
+/// The element type of a cache row: `f32` or [`f16`].
+pub trait CacheElem: Copy + Send + Sync {
+    /// `x` rounded to this type (to nearest, ties to even).
+    fn from_f32(x: f32) -> Self;
+    /// The value as float32 (exact).
+    fn to_f32(self) -> f32;
+    /// Eight values at `p` as float32 lanes.
+    ///
+    /// # Safety
+    /// `p` points at eight values; the caller runs with AVX2, FMA and F16C enabled.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl CacheElem for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl CacheElem for f16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: per the contract (F16C converts the eight halves).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
 
 /// RoPE's rotation of one position: `cos` and `sin` of each of the `n_rot / 2` angles.
 #[derive(Clone, Copy)]
@@ -41,11 +97,11 @@ pub struct OneTokenAttention<'a> {
     pub sinks: Option<&'a [f32]>,
 }
 
-/// One layer's cache (`rows` positions of `kv_heads` keys and values each), the rows a token
-/// is stored at and the rows its query reads.
-pub struct LayerCache<'a> {
-    pub keys: &'a mut [f32],
-    pub values: &'a mut [f32],
+/// One layer's cache (`rows` positions of `kv_heads` keys and values each, of the element types
+/// `K` and `V`), the rows a token is stored at and the rows its query reads.
+pub struct LayerCache<'a, K = f32, V = f32> {
+    pub keys: &'a mut [K],
+    pub values: &'a mut [V],
     pub write: &'a [usize],
     pub read: Range<usize>,
 }
@@ -98,12 +154,12 @@ impl OneTokenAttention<'_> {
     /// row: the token sees itself) to `out [heads, head_dim_v]`. A long read range is split
     /// over `pool`'s threads, each a run of positions for every head (the parts' softmax
     /// sums and weighted values then merged under their common maximum).
-    pub fn run(
+    pub fn run<K: CacheElem, V: CacheElem>(
         &self,
         q: &[f32],
         k: &[f32],
         v: &[f32],
-        cache: LayerCache<'_>,
+        cache: LayerCache<'_, K, V>,
         out: &mut [f32],
         pool: &ThreadPool,
     ) -> Result<()> {
@@ -139,8 +195,14 @@ impl OneTokenAttention<'_> {
             self.head(x, self.k_norm);
         }
         for &w in write {
-            cache.keys[w * kw..(w + 1) * kw].copy_from_slice(&kh);
-            cache.values[w * vw..(w + 1) * vw].copy_from_slice(v);
+            let (kr, vr) = (
+                &mut cache.keys[w * kw..(w + 1) * kw],
+                &mut cache.values[w * vw..(w + 1) * vw],
+            );
+            kr.iter_mut()
+                .zip(&kh)
+                .for_each(|(c, x)| *c = K::from_f32(*x));
+            vr.iter_mut().zip(v).for_each(|(c, x)| *c = V::from_f32(*x));
         }
         let keys = &cache.keys[read.start * kw..read.end * kw];
         let values = &cache.values[read.start * vw..read.end * vw];
@@ -220,7 +282,7 @@ impl OneTokenAttention<'_> {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn part_avx2(&self, qs: &[f32], keys: &[f32], values: &[f32]) -> Part {
+    fn part_avx2<K: CacheElem, V: CacheElem>(&self, qs: &[f32], keys: &[K], values: &[V]) -> Part {
         // The closures inherit this function's features.
         self.part(
             qs,
@@ -238,14 +300,14 @@ impl OneTokenAttention<'_> {
     /// makes a read from memory each time. `dot`, `exp_sum` and `axpy` are the instruction
     /// set's.
     #[inline(always)]
-    fn part(
+    fn part<K, V>(
         &self,
         qs: &[f32],
-        keys: &[f32],
-        values: &[f32],
-        dot: impl Fn(&[f32], &[f32]) -> f32,
+        keys: &[K],
+        values: &[V],
+        dot: impl Fn(&[f32], &[K]) -> f32,
         exp_sum: impl Fn(&mut [f32], f32) -> f32,
-        axpy: impl Fn(&mut [f32], f32, &[f32]),
+        axpy: impl Fn(&mut [f32], f32, &[V]),
     ) -> Part {
         let (d, dv, hkv) = (self.head_dim, self.head_dim_v, self.kv_heads);
         let group = self.heads / hkv;
@@ -287,18 +349,18 @@ struct Part {
 
 /// `x . y` in eight lanes, summed pairwise at the end.
 #[inline(always)]
-fn dot(x: &[f32], y: &[f32]) -> f32 {
+fn dot<T: CacheElem>(x: &[f32], y: &[T]) -> f32 {
     let mut acc = [0f32; 8];
     let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
     let tail: f32 = xc
         .remainder()
         .iter()
         .zip(yc.remainder())
-        .map(|(a, b)| a * b)
+        .map(|(a, b)| a * b.to_f32())
         .sum();
     for (a, b) in xc.zip(yc) {
         for l in 0..8 {
-            acc[l] += a[l] * b[l];
+            acc[l] += a[l] * b[l].to_f32();
         }
     }
     let [a, b, c, d, e, f, g, h] = acc;
@@ -318,20 +380,21 @@ fn exp_sum(row: &mut [f32], max: f32) -> f32 {
 
 /// `o += w y`.
 #[inline(always)]
-fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
-    o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y);
+fn axpy<T: CacheElem>(o: &mut [f32], w: f32, y: &[T]) {
+    o.iter_mut().zip(y).for_each(|(o, y)| *o += w * y.to_f32());
 }
 
 /// The products with AVX2 and FMA: four chains of eight lanes for a dot product (one chain
 /// waits on its own additions), fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use super::CacheElem;
     use crate::kernels::hsum_float_8;
     use std::arch::x86_64::*;
 
     /// `x . y`; the lengths are equal.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn dot(x: &[f32], y: &[f32]) -> f32 {
+    pub(super) fn dot<T: CacheElem>(x: &[f32], y: &[T]) -> f32 {
         let n = x.len().min(y.len());
         let (xp, yp) = (x.as_ptr(), y.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
@@ -341,18 +404,22 @@ mod simd {
             while i + 32 <= n {
                 for (c, a) in acc.iter_mut().enumerate() {
                     let (xv, yv) = (xp.add(i + 8 * c), yp.add(i + 8 * c));
-                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(xv), _mm256_loadu_ps(yv), *a);
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(xv), T::load8(yv), *a);
                 }
                 i += 32;
             }
             while i + 8 <= n {
-                let (xv, yv) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i)));
+                let (xv, yv) = (_mm256_loadu_ps(xp.add(i)), T::load8(yp.add(i)));
                 acc[0] = _mm256_fmadd_ps(xv, yv, acc[0]);
                 i += 8;
             }
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let tail: f32 = x[i..n].iter().zip(&y[i..n]).map(|(a, b)| a * b).sum();
+        let tail: f32 = x[i..n]
+            .iter()
+            .zip(&y[i..n])
+            .map(|(a, b)| a * b.to_f32())
+            .sum();
         hsum_float_8(s) + tail
     }
 
@@ -420,7 +487,7 @@ mod simd {
 
     /// `o += w y`; the lengths are equal.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn axpy(o: &mut [f32], w: f32, y: &[f32]) {
+    pub(super) fn axpy<T: CacheElem>(o: &mut [f32], w: f32, y: &[T]) {
         let n = o.len().min(y.len());
         let (op, yp) = (o.as_mut_ptr(), y.as_ptr());
         let wv = _mm256_set1_ps(w);
@@ -428,7 +495,7 @@ mod simd {
         // SAFETY: every load and store touches 8 values at i <= n - 8.
         unsafe {
             while i + 8 <= n {
-                let v = _mm256_fmadd_ps(wv, _mm256_loadu_ps(yp.add(i)), _mm256_loadu_ps(op.add(i)));
+                let v = _mm256_fmadd_ps(wv, T::load8(yp.add(i)), _mm256_loadu_ps(op.add(i)));
                 _mm256_storeu_ps(op.add(i), v);
                 i += 8;
             }
@@ -436,7 +503,7 @@ mod simd {
         o[i..n]
             .iter_mut()
             .zip(&y[i..n])
-            .for_each(|(o, y)| *o += w * y);
+            .for_each(|(o, y)| *o += w * y.to_f32());
     }
 }
 
@@ -604,6 +671,59 @@ mod tests {
                 assert!((f64::from(*o) - w).abs() < 1e-5, "{o} against {w}");
             }
             assert_eq!(&vals[pos * hkv * dv..], &v[..]);
+        }
+    }
+
+    /// A half cache computes what a float32 cache holding the same values rounded to half
+    /// computes, to the bit (keys and values read back exactly), and stores the token's key
+    /// and value rounded (here already half values: no norm or RoPE changes them).
+    #[test]
+    fn a_half_cache_is_a_float32_cache_of_rounded_values() {
+        let round = |x: Vec<f32>| -> Vec<f32> {
+            x.into_iter().map(|v| f16::from_f32(v).to_f32()).collect()
+        };
+        let half = |x: &[f32]| -> Vec<f16> { x.iter().map(|&v| f16::from_f32(v)).collect() };
+        let pool = ThreadPool::new(3);
+        for n in [37, 700] {
+            let (h, hkv, d, dv, pos) = (4, 2, 64, 32, n - 1);
+            let a = OneTokenAttention {
+                heads: h,
+                kv_heads: hkv,
+                head_dim: d,
+                head_dim_v: dv,
+                q_norm: None,
+                k_norm: None,
+                eps: 1e-6,
+                rope: None,
+                scale: 0.125,
+                sinks: None,
+            };
+            let q = values(h * d, 1);
+            let (k, v) = (round(values(hkv * d, 2)), round(values(hkv * dv, 3)));
+            let (mut keys, mut vals) = (
+                round(values(n * hkv * d, 4)),
+                round(values(n * hkv * dv, 5)),
+            );
+            let (mut keys16, mut vals16) = (half(&keys), half(&vals));
+            let mut want = vec![0f32; h * dv];
+            let cache = LayerCache {
+                keys: &mut keys,
+                values: &mut vals,
+                write: &[pos],
+                read: 0..n,
+            };
+            a.run(&q, &k, &v, cache, &mut want, &pool).unwrap();
+            let mut out = vec![0f32; h * dv];
+            let cache = LayerCache {
+                keys: &mut keys16,
+                values: &mut vals16,
+                write: &[pos],
+                read: 0..n,
+            };
+            a.run(&q, &k, &v, cache, &mut out, &pool).unwrap();
+            assert_eq!(out, want, "{n} positions");
+            assert_eq!(keys16[pos * hkv * d..], half(&k)[..]);
+            assert_eq!(vals16[pos * hkv * dv..], half(&v)[..]);
         }
     }
 

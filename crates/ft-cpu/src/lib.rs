@@ -16,7 +16,7 @@ mod pool;
 #[cfg(test)]
 mod testing;
 
-pub use attend::{rms_norm, LayerCache, OneTokenAttention, Rope};
+pub use attend::{f16, rms_norm, CacheElem, LayerCache, OneTokenAttention, Rope};
 pub use background::{Background, Ticket};
 pub use delta::{delta_rule_step, DeltaShape};
 pub use handoff::{

@@ -1,9 +1,9 @@
 //! One token's attention on the CPU (`ft_cpu::OneTokenAttention`) and the RMS norm it uses.
 
 use crate::errors::{to_py, IntoPy};
-use crate::host::{check_disjoint, Dtype, HostArray};
+use crate::host::{check_disjoint, Dtype, Element, HostArray};
 use freetoken_ggml::Error;
-use ft_cpu::{LayerCache, OneTokenAttention, Rope};
+use ft_cpu::{f16, CacheElem, LayerCache, OneTokenAttention, Rope};
 use pyo3::prelude::*;
 
 /// Optional float32 arrays, checked.
@@ -19,7 +19,8 @@ fn optional(obj: Option<&Bound<'_, PyAny>>, what: &'static str) -> PyResult<Opti
 /// `write` of the layer's caches (`k_cache [rows, kv_heads, head_dim]`, `v_cache [rows,
 /// kv_heads, head_dim_v]`), and the query's attention (scores times `scale`, softmax, with
 /// `sinks [heads]` in its denominator) over rows `read_lo..read_hi` written to `out [heads *
-/// head_dim_v]`. All float32; the caches and `out` are written and may overlap nothing else.
+/// head_dim_v]`. All float32 but the caches, float32 or float16 each (stored rounded, read
+/// exactly); the caches and `out` are written and may overlap nothing else.
 #[pyfunction]
 #[pyo3(signature = (
     q, k, v, k_cache, v_cache, write, read_lo, read_hi, heads, kv_heads, q_norm, k_norm, eps,
@@ -51,8 +52,8 @@ pub fn attend_one(
     let q = HostArray::input(q, Dtype::F32, "q")?;
     let k = HostArray::input(k, Dtype::F32, "k")?;
     let v = HostArray::input(v, Dtype::F32, "v")?;
-    let kc = HostArray::output(k_cache, Dtype::F32, "k_cache")?;
-    let vc = HostArray::output(v_cache, Dtype::F32, "v_cache")?;
+    let kc = HostArray::output_of(k_cache, &[Dtype::F32, Dtype::F16], "k_cache")?;
+    let vc = HostArray::output_of(v_cache, &[Dtype::F32, Dtype::F16], "v_cache")?;
     let out = HostArray::output(out, Dtype::F32, "out")?;
     let (qn, kn) = (optional(q_norm, "q_norm")?, optional(k_norm, "k_norm")?);
     let (cos, sin) = (optional(cos, "cos")?, optional(sin, "sin")?);
@@ -77,7 +78,7 @@ pub fn attend_one(
     check_disjoint(&[&kc, &vc, &out], &rest)?;
     let raw = |a: &Option<HostArray>| a.as_ref().map(HostArray::raw::<f32>);
     let (rq, rk, rv) = (q.raw::<f32>(), k.raw::<f32>(), v.raw::<f32>());
-    let (rkc, rvc, rout) = (kc.raw::<f32>(), vc.raw::<f32>(), out.raw::<f32>());
+    let rout = out.raw::<f32>();
     let (rqn, rkn, rcos, rsin, rsinks) = (raw(&qn), raw(&kn), raw(&cos), raw(&sin), raw(&sinks));
     let pool = crate::threads::pool();
     py.detach(|| {
@@ -101,23 +102,44 @@ pub fn attend_one(
                 scale,
                 sinks: rsinks.map(|s| s.slice()),
             };
-            let cache = LayerCache {
-                keys: rkc.slice_mut(),
-                values: rvc.slice_mut(),
-                write: &write,
-                read: read_lo..read_hi,
-            };
-            a.run(
-                rq.slice(),
-                rk.slice(),
-                rv.slice(),
-                cache,
-                rout.slice_mut(),
-                &pool,
-            )
+            let (q, k, v, out) = (rq.slice(), rk.slice(), rv.slice(), rout.slice_mut());
+            let read = read_lo..read_hi;
+            // The cache's element types, as checked.
+            macro_rules! typed {
+                ($k:ty, $v:ty) => {
+                    a.run(q, k, v, cache::<$k, $v>(&kc, &vc, &write, read), out, &pool)
+                };
+            }
+            match (kc.dtype(), vc.dtype()) {
+                (Dtype::F32, Dtype::F32) => typed!(f32, f32),
+                (Dtype::F16, Dtype::F16) => typed!(f16, f16),
+                (Dtype::F32, _) => typed!(f32, f16),
+                _ => typed!(f16, f32),
+            }
         }
     })
     .py_err()
+}
+
+/// The layer cache over `kc` and `vc`, of the element types they were checked to hold.
+///
+/// # Safety
+/// The arrays outlive the cache and overlap nothing else in use.
+unsafe fn cache<'a, K: Element + CacheElem, V: Element + CacheElem>(
+    kc: &HostArray,
+    vc: &HostArray,
+    write: &'a [usize],
+    read: std::ops::Range<usize>,
+) -> LayerCache<'a, K, V> {
+    // SAFETY: per the contract.
+    unsafe {
+        LayerCache {
+            keys: kc.raw::<K>().slice_mut(),
+            values: vc.raw::<V>().slice_mut(),
+            write,
+            read,
+        }
+    }
 }
 
 /// `out = x / rms(x) * weight` over each row of `x` (float32, rows of `weight.len()`), in

@@ -23,6 +23,7 @@ pub enum Dtype {
     I32,
     I64,
     F32,
+    F16,
 }
 
 impl Dtype {
@@ -32,12 +33,14 @@ impl Dtype {
             Dtype::I32 => "int32",
             Dtype::I64 => "int64",
             Dtype::F32 => "float32",
+            Dtype::F16 => "float16",
         }
     }
 
     fn size(self) -> usize {
         match self {
             Dtype::U8 => 1,
+            Dtype::F16 => 2,
             Dtype::I32 | Dtype::F32 => 4,
             Dtype::I64 => 8,
         }
@@ -49,6 +52,7 @@ impl Dtype {
             ElementType::SignedInteger { bytes: 4 } => Some(Dtype::I32),
             ElementType::SignedInteger { bytes: 8 } => Some(Dtype::I64),
             ElementType::Float { bytes: 4 } => Some(Dtype::F32),
+            ElementType::Float { bytes: 2 } => Some(Dtype::F16),
             _ => None,
         }
     }
@@ -71,6 +75,9 @@ impl Element for i64 {
 impl Element for f32 {
     const DTYPE: Dtype = Dtype::F32;
 }
+impl Element for ft_cpu::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+}
 
 /// How a buffer's element type reads in an error: numpy's names where there is one.
 fn describe(b: &PyUntypedBuffer) -> String {
@@ -86,7 +93,7 @@ fn describe(b: &PyUntypedBuffer) -> String {
 /// torch's tensor type and the dtypes that cross, looked up once.
 struct Torch {
     tensor: Py<PyType>,
-    dtypes: [(Dtype, Py<PyAny>); 4],
+    dtypes: [(Dtype, Py<PyAny>); 5],
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -102,6 +109,7 @@ fn torch(py: Python<'_>) -> PyResult<&Torch> {
                 (Dtype::I32, dtype("int32")?),
                 (Dtype::I64, dtype("int64")?),
                 (Dtype::F32, dtype("float32")?),
+                (Dtype::F16, dtype("float16")?),
             ],
         })
     })
@@ -133,6 +141,38 @@ impl HostArray {
     /// `obj` as an array of `dtype` to write.
     pub fn output(obj: &Bound<'_, PyAny>, dtype: Dtype, what: &'static str) -> PyResult<Self> {
         Self::new(obj, dtype, what, true)
+    }
+
+    /// `obj` as an array to write of whichever of `dtypes` it holds (its element type is
+    /// then [`HostArray::dtype`]).
+    pub fn output_of(
+        obj: &Bound<'_, PyAny>,
+        dtypes: &[Dtype],
+        what: &'static str,
+    ) -> PyResult<Self> {
+        let py = obj.py();
+        // SAFETY: as in `new`.
+        let held = if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
+            Dtype::of_buffer(&PyUntypedBuffer::get(obj)?)
+        } else {
+            let got = obj.getattr(intern!(py, "dtype")).ok();
+            torch(py).ok().and_then(|t| {
+                t.dtypes
+                    .iter()
+                    .find(|(_, d)| got.as_ref().is_some_and(|g| g.is(d)))
+                    .map(|(d, _)| *d)
+            })
+        };
+        match held.filter(|d| dtypes.contains(d)) {
+            Some(d) => Self::new(obj, d, what, true),
+            // The first type's checks say what is wrong.
+            None => Self::new(obj, dtypes[0], what, true),
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
     }
 
     fn new(

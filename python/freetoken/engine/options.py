@@ -9,12 +9,17 @@ import argparse
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from freetoken.engine.split import SPLIT_MODES, SplitPlan, parse_tensor_split
 from freetoken.errors import InvalidInputError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "CACHE_SCOPES",
+    "CACHE_TYPES",
     "DENSE_MODES",
     "DEVICES",
     "MOE_STRATEGIES",
@@ -32,6 +37,8 @@ MOE_STRATEGIES = ("auto", "cpu", "gpu", "offload", "hybrid")
 CACHE_SCOPES = ("type", "per-layer")
 #: How dense weights run on the GPU (engine/gpu_layers.py).
 DENSE_MODES = ("quant", "bf16")
+#: Element types of the KV cache (llama.cpp's ``--cache-type-k/v`` names).
+CACHE_TYPES = ("f32", "f16")
 #: Microseconds of polling per ``--poll`` level (llama.cpp's 0-100 scale).
 POLL_STEP_US = 20
 #: ``--poll``'s default on the CPU engine: llama.cpp's level, 1 ms. Its one pool serves a
@@ -77,7 +84,10 @@ class EngineOptions:
     placement.
     ``swa_full``: sliding-window layers keep every position in a CPU KV cache (llama.cpp's
     ``--swa-full``: longer prefixes stay reusable) instead of a ring of what they can still
-    see (runtime/kv_cache.py)."""
+    see (runtime/kv_cache.py).
+    ``cache_type_k``, ``cache_type_v``: the KV cache's element types, ``f32`` or ``f16``
+    (llama.cpp's ``--cache-type-k/v``; ``f16`` halves the cache and what attention reads
+    over a long context); ``f16`` runs on the CPU engine (GPU caches are float32)."""
 
     device: str = "auto"
     moe_strategy: str = "auto"
@@ -95,6 +105,8 @@ class EngineOptions:
     mmap: bool = True
     repack: bool = True
     swa_full: bool = False
+    cache_type_k: str = "f32"
+    cache_type_v: str = "f32"
     split_mode: str | None = None
     tensor_split: tuple[float, ...] | None = None
     main_gpu: int = 0
@@ -106,6 +118,8 @@ class EngineOptions:
             (self.moe_strategy, MOE_STRATEGIES, "--moe-strategy"),
             (self.dense_weights, DENSE_MODES, "--dense-weights"),
             (self.moe_cache_scope, CACHE_SCOPES, "--moe-cache-scope"),
+            (self.cache_type_k, CACHE_TYPES, "--cache-type-k"),
+            (self.cache_type_v, CACHE_TYPES, "--cache-type-v"),
         ):
             if value not in allowed:
                 raise InvalidInputError(f"{flag} {value}: choose one of {', '.join(allowed)}")
@@ -144,6 +158,14 @@ class EngineOptions:
             raise InvalidInputError(
                 "a split plan gives the layer ranges itself: no --split-mode or --tensor-split"
             )
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The keys' and the values' torch element types."""
+        import torch
+
+        by_name = {"f32": torch.float32, "f16": torch.float16}
+        return by_name[self.cache_type_k], by_name[self.cache_type_v]
 
     @property
     def poll_us(self) -> int | None:
@@ -236,6 +258,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep every position in sliding-window layers' KV cache (CPU) instead of a ring "
         "of the window: more memory, longer reusable prefixes",
     )
+    for short, name, what in (
+        ("-ctk", "--cache-type-k", "keys"),
+        ("-ctv", "--cache-type-v", "values"),
+    ):
+        g.add_argument(
+            short,
+            name,
+            choices=CACHE_TYPES,
+            default="f32",
+            help=f"the KV cache's {what}: f32 or f16 (half the memory; the CPU engine)",
+        )
 
     g.add_argument(
         "-sm",
@@ -273,6 +306,8 @@ def from_args(args: argparse.Namespace) -> EngineOptions:
         mmap=args.mmap,
         repack=args.repack,
         swa_full=args.swa_full,
+        cache_type_k=args.cache_type_k,
+        cache_type_v=args.cache_type_v,
         split_mode=args.split_mode,
         tensor_split=None if args.tensor_split is None else parse_tensor_split(args.tensor_split),
         main_gpu=args.main_gpu,

@@ -244,6 +244,7 @@ class HybridTransformer(Transformer):
             v_transposed=self.device.type == "cuda",
             kv_devices=[d for d, rec in per_layer if not rec],
             state_devices=[d for d, rec in per_layer if rec],
+            dtypes=self.kv_dtypes,
         )
 
     def _rope_tables(

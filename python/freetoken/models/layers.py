@@ -344,7 +344,9 @@ def attention(
     captured decode step, whose key range is fixed: keys past a query are masked). ``q [T, H, D]``,
     ``k [L, Hkv, D]``, ``v [L, Hkv, Dv]`` -> ``[T, H * Dv]``. ``sinks [H]`` (gpt-oss) are
     per-head logits that join each softmax's denominator and carry no value. ``masks``
-    shares the masks between the layers of one step."""
+    shares the masks between the layers of one step. Keys and values of another element
+    type (a float16 cache) are read as the queries' type."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     t, h, _ = q.shape
     n_keys = k.shape[0]
     first = 0

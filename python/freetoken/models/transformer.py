@@ -394,6 +394,8 @@ class Transformer:
     graphs: GraphDecoder | None = None
     #: Sliding-window layers keep every position in CPU caches too (``--swa-full``).
     swa_full: bool = False
+    #: The KV caches' key and value element types (``--cache-type-k/v``).
+    kv_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)
     #: Called around every step with its token count (``begin(n)``, then ``end()`` even when
     #: the step raised): the hybrid experts' CPU thread lives for the step (set by placement).
     step_hook: StepHook | None = None
@@ -451,6 +453,7 @@ class Transformer:
             v_transposed=dev.type == "cuda",
             windows=windows if dev.type == "cpu" and not self.swa_full else (),
             max_step=max_step,
+            dtypes=self.kv_dtypes,
             devices=self.layer_devices or (),
         )
 

@@ -39,7 +39,8 @@ class KVCache:
 
     ``devices`` gives each layer's device where the layers are split over several GPUs
     (each layer's keys and values live beside its weights); else every layer is on
-    ``device``."""
+    ``device``. ``dtypes`` are the keys' and the values' element types (float32, or float16:
+    llama.cpp's ``--cache-type-k/v``), stored rounded and returned as they are."""
 
     #: A verify step (speculative decoding) is running: caches with state that cannot be
     #: cut back keep checkpoints for :meth:`rewind` (runtime/recurrent_cache.py).
@@ -52,7 +53,7 @@ class KVCache:
         n_kv_heads: PerLayer,
         head_dim_k: PerLayer,
         head_dim_v: PerLayer,
-        dtype: torch.dtype = torch.float32,
+        dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
         device: torch.device | str = "cpu",
         v_transposed: bool = False,
         windows: Sequence[int] = (),
@@ -78,9 +79,9 @@ class KVCache:
             n = 2 * r or n_ctx
             heads, dk, dv = _of(n_kv_heads, i), _of(head_dim_k, i), _of(head_dim_v, i)
             dev = devices[i] if devices else device
-            self.k.append(torch.zeros(n, heads, dk, dtype=dtype, device=dev))
+            self.k.append(torch.zeros(n, heads, dk, dtype=dtypes[0], device=dev))
             v_shape = (heads, dv, n) if v_transposed else (n, heads, dv)
-            self.v.append(torch.zeros(v_shape, dtype=dtype, device=dev))
+            self.v.append(torch.zeros(v_shape, dtype=dtypes[1], device=dev))
         self.length = 0
 
     def reserve(self, n_new: int) -> int:

@@ -50,6 +50,7 @@ class HybridCache(KVCache):
         v_transposed: bool = False,
         kv_devices: Sequence[torch.device] = (),
         state_devices: Sequence[torch.device] = (),
+        dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         super().__init__(
             n_attn_layers,
@@ -57,6 +58,7 @@ class HybridCache(KVCache):
             n_kv_heads,
             head_dim_k,
             head_dim_v,
+            dtypes=dtypes,
             device=device,
             v_transposed=v_transposed,
             devices=kv_devices,
