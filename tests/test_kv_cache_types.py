@@ -11,57 +11,28 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from freetoken.engine import options
 from freetoken.engine.options import EngineOptions
 from freetoken.errors import UnsupportedError
 from freetoken.llm import LLM
-from freetoken.models.transformer import Transformer
 from freetoken.runtime.kv_cache import KVCache
-from synthetic import SMALL_DENSE
+from ring_model import STEP, build, random_tokens, stepped
 from teacher_forced import compare
 
-WINDOW = 8
-STEP = 5
 N_CTX = 64
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Sliding-window layers (rings, written by index) beside full ones."""
-    from freetoken.testmodel import make_test_model
-
-    return make_test_model(
-        "gemma3",
-        **SMALL_DENSE,
-        seed=11,
-        quant="q8_0",
-        out=tmp_path_factory.mktemp("kv-types") / "gemma3.gguf",
-        sliding_window=WINDOW,
-        swa_pattern=2,
-    )
+    return build(tmp_path_factory.mktemp("kv-types") / "gemma3.gguf")
 
 
 def _llm(path: Path, k: str = "f16", v: str = "f16") -> LLM:
     engine = EngineOptions(device="cpu", cache_type_k=k, cache_type_v=v)
     return LLM(path, n_ctx=N_CTX, engine=engine)
-
-
-def _seq(llm: LLM, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(5).integers(1, llm.vocab_size, n)]
-
-
-def _stepped(model: Transformer, seq: list[int]) -> torch.Tensor:
-    """Every position's logits, fed in steps of 1..``STEP`` tokens (one-token steps take the
-    Rust attention call, longer ones the torch path)."""
-    cache = model.new_cache(N_CTX, max_step=STEP)
-    out, i, n = [], 0, 1
-    while i < len(seq):
-        out.append(model.forward(seq[i : i + n], cache, all_logits=True))
-        i, n = i + n, n % STEP + 1
-    return torch.cat(out)
 
 
 def test_a_half_cache_holds_half_the_bytes(gemma3: Path) -> None:
@@ -77,7 +48,7 @@ def test_prompt_logits_are_a_float32_cache_of_rounded_values(
     gemma3: Path, k: str, v: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llm = _llm(gemma3, k, v)
-    seq = _seq(llm, 40)
+    seq = random_tokens(llm, 40)
     got = llm.model.forward(seq, llm.model.new_cache(N_CTX), all_logits=True)
     ref = _llm(gemma3, "f32", "f32").model
     store = KVCache.store
@@ -104,8 +75,8 @@ def test_stepped_decode_matches_llamacpp(gemma3: Path, llama_ref_root: Path) -> 
     import llama_ref
 
     llm = _llm(gemma3)
-    seq = _seq(llm, 48)  # six windows
-    ours = _stepped(llm.model, seq)[:-1].numpy()
+    seq = random_tokens(llm, 48)  # six windows
+    ours = stepped(llm.model, seq, N_CTX, STEP)[:-1].numpy()
     with llama_ref.LlamaRef.load(gemma3, n_ctx=N_CTX, n_threads=2, root=llama_ref_root) as ref:
         want = ref.logits(seq)[:-1]
     c = compare(want, ours)

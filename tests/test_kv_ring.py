@@ -14,40 +14,13 @@ import pytest
 import torch
 from freetoken.llm import LLM
 from freetoken.models.transformer import Transformer
-from synthetic import SMALL_DENSE
+from ring_model import STEP, WINDOW, build, random_tokens, stepped
 from teacher_forced import compare
-
-WINDOW = 8
-STEP = 5
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from freetoken.testmodel import make_test_model
-
-    return make_test_model(
-        "gemma3",
-        **SMALL_DENSE,
-        seed=11,
-        quant="q8_0",
-        out=tmp_path_factory.mktemp("ring") / "gemma3.gguf",
-        sliding_window=WINDOW,
-        swa_pattern=2,
-    )
-
-
-def _stepped(model: Transformer, seq: list[int], n_ctx: int, max_step: int) -> torch.Tensor:
-    """Every position's logits, fed in steps of 1..``STEP`` tokens (a fixed pattern)."""
-    cache = model.new_cache(n_ctx, max_step=max_step)
-    out, i, n = [], 0, 1
-    while i < len(seq):
-        out.append(model.forward(seq[i : i + n], cache, all_logits=True))
-        i, n = i + n, n % STEP + 1
-    return torch.cat(out)
-
-
-def _seq(llm: LLM, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(5).integers(1, llm.vocab_size, n)]
+    return build(tmp_path_factory.mktemp("ring") / "gemma3.gguf")
 
 
 def test_ring_is_used_and_smaller(gemma3: Path) -> None:
@@ -80,8 +53,8 @@ def test_ring_matches_llamacpp(gemma3: Path, llama_ref_root: Path) -> None:
     import llama_ref
 
     llm = LLM(gemma3, n_ctx=64)
-    seq = _seq(llm, 48)  # six windows
-    ours = _stepped(llm.model, seq, 64, STEP)[:-1].numpy()
+    seq = random_tokens(llm, 48)  # six windows
+    ours = stepped(llm.model, seq, 64, STEP)[:-1].numpy()
     with llama_ref.LlamaRef.load(gemma3, n_ctx=64, n_threads=2, root=llama_ref_root) as ref:
         want = ref.logits(seq)[:-1]
     c = compare(want, ours)
@@ -90,16 +63,16 @@ def test_ring_matches_llamacpp(gemma3: Path, llama_ref_root: Path) -> None:
 
 def test_ring_matches_every_position_kept(gemma3: Path) -> None:
     llm = LLM(gemma3, n_ctx=64)
-    seq = _seq(llm, 48)
-    ring = _stepped(llm.model, seq, 64, STEP)
-    full = _stepped(llm.model, seq, 64, 0)
+    seq = random_tokens(llm, 48)
+    ring = stepped(llm.model, seq, 64, STEP)
+    full = stepped(llm.model, seq, 64, 0)
     assert torch.equal(ring, full)
 
 
 def test_truncate_keeps_a_prefix_only_while_the_ring_holds_it(gemma3: Path) -> None:
     llm = LLM(gemma3, n_ctx=64)
-    model, seq = llm.model, _seq(llm, 40)
-    full = _stepped(model, seq, 64, 0)
+    model, seq = llm.model, random_tokens(llm, 40)
+    full = stepped(model, seq, 64, 0)
     cache = model.new_cache(64, max_step=STEP)
     for i in range(0, 40, 4):
         model.forward(seq[i : i + 4], cache)
@@ -142,7 +115,7 @@ def test_server_slots_reuse_a_prefix_only_while_the_ring_holds_it(gemma3: Path) 
         tokens = [lp.token async for ev in job.events() for lp in ev.logprobs]
         return tokens, job.cached_tokens
 
-    prompt = _seq(llm, 20)
+    prompt = random_tokens(llm, 20)
     first = _greedy(llm.model, prompt, 30)
     sched.start()
     try:
