@@ -120,6 +120,11 @@ class LLM:
         # The file first: a bad one is the one error reported, before the device is chosen.
         self.gguf = GGUFFile(self.path, mmap=engine.mmap, progress=reading)
         with_gpu = engine_options.use_gpu(engine)
+        if with_gpu and (engine.cache_type_k, engine.cache_type_v) != ("f32", "f32"):
+            raise UnsupportedError(
+                "--cache-type-k/-v f16 runs on the CPU engine: GPU KV caches are f32 "
+                "(--device cpu, or leave the cache types at f32)"
+            )
         poll_us = engine.pool_poll_us(with_gpu)
         if n_threads is not None or poll_us is not None:
             _core.set_num_threads(n_threads or _core.num_threads(), poll_us)
@@ -142,11 +147,6 @@ class LLM:
         #: Where the model went (None: all on the CPU).
         self.placement: Placement | None = None
         if engine_options.use_gpu(engine):
-            if (engine.cache_type_k, engine.cache_type_v) != ("f32", "f32"):
-                raise UnsupportedError(
-                    "--cache-type-k/-v f16 runs on the CPU engine: GPU KV caches are f32 "
-                    "(--device cpu, or leave the cache types at f32)"
-                )
             from freetoken.engine.placement import place
 
             self.placement = place(self.model, engine, n_ctx)
