@@ -434,19 +434,18 @@ preset_ncmoe() {
 # bench-bw runs first (1 s a figure; FT_STREAMS_BENCH_BW=0 skips it) for the fetch rule.
 bench_streams() {
     [ -f "$FT_BUILD/libfreetoken_cuda.so" ] || build
-    local model cache=3888 ncmoe=31 tag=""
+    local cache=3888 ncmoe=31 tag=""
     pick_model
-    model=$MODEL
     if [ -n "${FT_PRESET:-}" ]; then
-        read -r cache _ < <(python3 benches/moe_budget.py -m "$model" --fraction 0.25)
+        read -r cache _ < <(python3 benches/moe_budget.py -m "$MODEL" --fraction 0.25)
         ncmoe=$(preset_ncmoe)
         tag=_${FT_PRESET}_${FT_ROUTING:-uniform}
     fi
     tag=$tag${FT_STREAMS_TAG:+_$FT_STREAMS_TAG}
     if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
-        python3 -m freetoken bench-bw -m "$model" --seconds 1 2>&1 | tee "$OUT/bench_bw$tag.md"
+        python3 -m freetoken bench-bw -m "$MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw$tag.md"
     fi
-    python3 benches/bench_server_streams.py -m "$model" \
+    python3 benches/bench_server_streams.py -m "$MODEL" \
         --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
         --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
         --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \

@@ -98,6 +98,13 @@ struct Torch {
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 
+impl Torch {
+    /// The [`Dtype`] of a tensor's `dtype`, if it is one that crosses.
+    fn dtype_of(&self, got: &Bound<'_, PyAny>) -> Option<Dtype> {
+        self.dtypes.iter().find(|(_, d)| got.is(d)).map(|(d, _)| *d)
+    }
+}
+
 fn torch(py: Python<'_>) -> PyResult<&Torch> {
     TORCH.get_or_try_init(py, || {
         let m = py.import("torch")?;
@@ -156,12 +163,10 @@ impl HostArray {
             Dtype::of_buffer(&PyUntypedBuffer::get(obj)?)
         } else {
             let got = obj.getattr(intern!(py, "dtype")).ok();
-            torch(py).ok().and_then(|t| {
-                t.dtypes
-                    .iter()
-                    .find(|(_, d)| got.as_ref().is_some_and(|g| g.is(d)))
-                    .map(|(d, _)| *d)
-            })
+            torch(py)
+                .ok()
+                .zip(got)
+                .and_then(|(t, got)| t.dtype_of(&got))
         };
         match held.filter(|d| dtypes.contains(d)) {
             Some(d) => Self::new(obj, d, what, true),
@@ -237,14 +242,8 @@ impl HostArray {
         if !obj.is_instance(t.tensor.bind(py))? {
             return Err(not_an_array());
         }
-        let want = &t
-            .dtypes
-            .iter()
-            .find(|(d, _)| *d == dtype)
-            .expect("listed")
-            .1;
         let got = obj.getattr(intern!(py, "dtype"))?;
-        if !got.is(want) {
+        if t.dtype_of(&got) != Some(dtype) {
             return Err(invalid(format!(
                 "{what} must be {}, got {got}",
                 dtype.name()
