@@ -360,6 +360,41 @@ def test_a_batch_past_sixteen_sequences_is_one_graph(model_files: dict[str, Path
         _check("qwen3moe", f"sequence {j} of 24 {PROMPTS[i]!r}", ref, np.stack(out))
 
 
+def test_graphs_of_one_shape_share_their_logits(model_files: dict[str, Path]) -> None:
+    """Three sets of two sequences, each decoding until its step is captured: the graphs of
+    one step shape write one logits output, so the second and third graphs leave less than
+    one step's logits allocated on the GPU, and every set's logits still match the CPU's."""
+    path = model_files["qwen3moe"]
+    seqs, refs = _cpu_runs(path)
+    llm = _gpu_llm(path, "gpu", "quant")
+    model = llm.model
+    assert model.graphs is not None
+    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
+    pair = range(len(PROMPTS))
+    steps = min(len(seqs[i]) - 1 - firsts[i] for i in pair)
+    logits_bytes = len(pair) * model.cfg.vocab_size * 4
+    kept, grown = [], []
+    for n in range(3):
+        caches = [model.new_cache(len(seqs[i])) for i in pair]
+        outs = [
+            [model.forward(seqs[i][: firsts[i] + 1], c).numpy()]
+            for i, c in zip(pair, caches, strict=True)
+        ]
+        torch.cuda.synchronize(model.device)
+        before = torch.cuda.memory_allocated(model.device)
+        for k in range(1, steps):
+            rows = model.forward_batch([([seqs[i][firsts[i] + k]], caches[i]) for i in pair])
+            for out, row in zip(outs, rows, strict=True):
+                out.append(row.numpy())
+        torch.cuda.synchronize(model.device)
+        grown.append(torch.cuda.memory_allocated(model.device) - before)
+        for i, out in zip(pair, outs, strict=True):
+            _check("qwen3moe", f"set {n} {PROMPTS[i]!r}", refs[i][: len(out)], np.stack(out))
+        kept.append(caches)
+    assert sum(len(key[0]) == len(pair) for key in model.graphs.graphs) == 3
+    assert max(grown[1:]) < logits_bytes, (grown, logits_bytes)
+
+
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixed"])
 def test_hybrid_fetch_share_matches_cpu_and_gpu(

@@ -243,14 +243,23 @@ def test_snapshot_restore_on_the_gpu(
 ) -> None:
     """A cache on the GPU cut back to the snapshot where a prompt chunk ended (after decode
     steps captured as graphs moved its state on) continues as a fresh run; a cut before any
-    snapshot runs again from the start."""
+    snapshot runs again from the start. The snapshots take no device memory: the prompt's
+    chunks leave less than one set of states allocated on the GPU."""
     name = "qwen3next"
     llm = _gpu_llm(model_files[name], "gpu")
     model = llm.model
     prompt, gen, ref = cpu_runs[name][1]
+    _run_prompt(model, prompt, model.new_cache(N_CTX))  # first-run allocations out of the way
     cache = model.new_cache(N_CTX)
     assert isinstance(cache, HybridCache) and cache.ssm[0].is_cuda
+    dev = cache.ssm[0].device
+    states = sum(t.numel() * t.element_size() for t in (*cache.conv, *cache.ssm))
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
     _run_prompt(model, prompt, cache)
+    torch.cuda.synchronize(dev)
+    grown = torch.cuda.memory_allocated(dev) - before
+    assert len(prompt) > 2 * PROMPT_CHUNK and grown < states, (grown, states)
     for t in gen[:8]:
         model.forward([t], cache)
     assert cache.truncate(PROMPT_CHUNK + 10) == PROMPT_CHUNK

@@ -188,6 +188,8 @@ class GraphDecoder:
         self.mempool = torch.cuda.graph_pool_handle()
         # Static inputs per batch size: token ids and positions.
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per logits shape and device: the output every graph of that shape writes last.
+        self.outputs: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}
         self.graphs: OrderedDict[_Key, _Entry] = OrderedDict()
         self.settling = Settling(SETTLE_STEPS)
 
@@ -197,6 +199,17 @@ class GraphDecoder:
             zeros = torch.zeros(n, dtype=torch.int64, device=dev)
             self.inputs[n] = (zeros, zeros.clone())
         return self.inputs[n]
+
+    def _output(self, like: torch.Tensor) -> torch.Tensor:
+        """The logits output of every graph whose logits are shaped as ``like``, allocated
+        outside any capture: a graph's own output would stay allocated as long as the graph
+        (32 MB a graph at 32 rows of a 248k vocabulary), where a step only reads the last
+        one's."""
+        key = (like.shape, like.device)
+        out = self.outputs.get(key)
+        if out is None:
+            out = self.outputs[key] = torch.empty_like(like)
+        return out
 
     def _forward(
         self,
@@ -222,9 +235,10 @@ class GraphDecoder:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             for _ in range(2):
-                self._forward(caches, n_keys, lengths, keep_hidden)
+                warm, _ = self._forward(caches, n_keys, lengths, keep_hidden)
             for restore in restores:
                 restore()
+        out = self._output(warm)
         graph = torch.cuda.CUDAGraph()
         # No garbage collection during the capture: finalizers of dropped pools unregister
         # page-locked memory (cudaHostUnregister), which invalidates a capture in progress
@@ -234,11 +248,12 @@ class GraphDecoder:
         try:
             with torch.cuda.graph(graph, pool=self.mempool, stream=self.stream):
                 logits, hidden = self._forward(caches, n_keys, lengths, keep_hidden)
+                out.copy_(logits)
         finally:
             if collecting:
                 gc.enable()
         torch.cuda.current_stream().wait_stream(self.stream)
-        return _Entry(graph, logits, hidden, caches, self._dropper(key))
+        return _Entry(graph, out, hidden, caches, self._dropper(key))
 
     def _dropper(self, key: _Key) -> Callable[[object], None]:
         """What drops the graph of ``key`` when one of its caches goes (this decoder held
@@ -389,6 +404,7 @@ class StagedGraphDecoder(GraphDecoder):
         # advanced put back, then each stage captured on its side stream.
         restores = [c.checkpoint() for c in caches]
         tokens = self._static(sum(lengths))[0]
+        x = tokens
         for _ in range(2):
             x = tokens
             for k, (st, stream) in enumerate(zip(self.stages, self.streams, strict=True)):
@@ -400,6 +416,8 @@ class StagedGraphDecoder(GraphDecoder):
                 torch.cuda.current_stream(st.device).wait_stream(stream)
         for restore in restores:
             restore()
+        logits = self._output(x)
+        last = len(self.stages) - 1
         graphs, outs, hidden = [], [], None
         collecting = gc.isenabled()
         gc.disable()  # as GraphDecoder's capture: no finalizer may unpin memory meanwhile
@@ -411,6 +429,8 @@ class StagedGraphDecoder(GraphDecoder):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
                     out, hidden = self._stage_forward(k, x, caches, n_keys, lengths, keep_hidden)
+                    if k == last:
+                        out = logits.copy_(out)
                 torch.cuda.current_stream(st.device).wait_stream(stream)
                 graphs.append(graph)
                 outs.append(out)

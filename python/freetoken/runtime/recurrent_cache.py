@@ -2,11 +2,11 @@
 it, the recurrent state of the linear-attention layers (conv state and delta-rule state).
 
 A recurrent state holds one position only, the last one: it cannot be cut back as keys and
-values can. So the cache keeps snapshots of the states where recent multi-token steps (prompt
-chunks) ended, and :meth:`HybridCache.truncate` restores the latest snapshot at or before the
-asked length: the positions after it run again (none saved: from the start). Decode steps
-(one token each) take no snapshot: the next turn of a chat continues from the current state,
-which is always valid at :attr:`length`.
+values can. So the cache keeps snapshots of the states (in host memory) where recent
+multi-token steps (prompt chunks) ended, and :meth:`HybridCache.truncate` restores the
+latest snapshot at or before the asked length: the positions after it run again (none
+saved: from the start). Decode steps (one token each) take no snapshot: the next turn of a
+chat continues from the current state, which is always valid at :attr:`length`.
 
 A verify step of speculative decoding sets :attr:`HybridCache.keep_steps`: its layers then
 hand over the states after each of the step's tokens (checkpoints, no extra compute: the
@@ -29,6 +29,18 @@ __all__ = ["MAX_SNAPSHOTS", "HybridCache"]
 
 #: Snapshots of the recurrent states a cache keeps (the latest ones).
 MAX_SNAPSHOTS = 4
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a state in host memory (a snapshot: device memory holds the live states
+    only, as llama.cpp keeps its context checkpoints in host memory); from a GPU into
+    page-locked memory, without waiting (the copy is ordered before any later write of the
+    state on the stream, and before :meth:`HybridCache._load` reads it back)."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
 
 
 class HybridCache(KVCache):
@@ -133,8 +145,8 @@ class HybridCache(KVCache):
         if n_new > 1 and self.max_snapshots > 0:
             self._snapshots.pop(self.length, None)
             self._snapshots[self.length] = (
-                [c.clone() for c in self.conv],
-                [s.clone() for s in self.ssm],
+                [_to_host(c) for c in self.conv],
+                [_to_host(s) for s in self.ssm],
             )
             while len(self._snapshots) > self.max_snapshots:
                 del self._snapshots[next(iter(self._snapshots))]
