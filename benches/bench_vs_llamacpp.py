@@ -2,7 +2,7 @@
 from the same pinned source with the same CPU options (tools/llama_ref.py), in one run.
 
     python benches/bench_vs_llamacpp.py [-m MODEL] [-p 128] [-n 64] [-d 0] [-t 2] [-r 3]
-        [--rounds 1]
+        [-ctk f16 -ctv f16] [--rounds 1]
 
 Prints a markdown table (and, with --json FILE, the raw figures) with the ratio ours/llama.cpp;
 with --rounds N the two alternate N times (on a shared host each sees the same load on average)
@@ -43,19 +43,23 @@ def _run_with_rss(cmd: list[str]) -> tuple[str, float]:
     return "".join(chunks), usage.ru_maxrss / 1024
 
 
-def bench_llamacpp(model: str, p: int, n: int, d: int, t: int, r: int) -> dict[str, Any]:
+def _common(p: int, n: int, d: int, t: int, r: int, ctk: str, ctv: str) -> list[str]:
+    """The arguments both tools take the same way (llama-bench's names)."""
+    sizes = ["-p", str(p), "-n", str(n), "-d", str(d), "-t", str(t), "-r", str(r)]
+    return [*sizes, "-ctk", ctk, "-ctv", ctv]
+
+
+def bench_llamacpp(model: str, *common: str) -> dict[str, Any]:
     exe = str(llama_ref.tool_path("llama-bench"))
-    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-d", str(d), "-t", str(t), "-r", str(r)]
-    out, rss = _run_with_rss([*cmd, "-o", "json"])
+    out, rss = _run_with_rss([exe, "-m", model, *common, "-o", "json"])
     rows = json.loads(out)
     pp = next(x["avg_ts"] for x in rows if x["n_prompt"] > 0)
     tg = next(x["avg_ts"] for x in rows if x["n_gen"] > 0)
     return {"pp_tokens_per_s": pp, "decode_tokens_per_s": tg, "peak_rss_mib": rss}
 
 
-def bench_ours(model: str, p: int, n: int, d: int, t: int, r: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", model]
-    cmd += ["-p", str(p), "-n", str(n), "-d", str(d), "-t", str(t), "-r", str(r), "-o", "json"]
+def bench_ours(model: str, *common: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "-m", model, *common, "-o", "json"]
     out, rss = _run_with_rss(cmd)
     res = json.loads(out.strip().splitlines()[-1])
     res["peak_rss_mib"] = rss
@@ -84,6 +88,10 @@ def main() -> int:
     ap.add_argument("-t", type=int, default=2)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument(
+        "-ctk", default="f16", help="KV cache key type for both (llama-bench's default: f16)"
+    )
+    ap.add_argument("-ctv", default="f16", help="KV cache value type for both")
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -98,13 +106,15 @@ def main() -> int:
     refs: list[dict[str, Any]] = []
     ourss: list[dict[str, Any]] = []
     loads: list[float] = []
+    common = _common(args.p, args.n, args.d, args.t, args.r, args.ctk, args.ctv)
     for _ in range(args.rounds):
         loads.append(os.getloadavg()[0])
-        refs.append(bench_llamacpp(args.model, args.p, args.n, args.d, args.t, args.r))
-        ourss.append(bench_ours(args.model, args.p, args.n, args.d, args.t, args.r))
+        refs.append(bench_llamacpp(args.model, *common))
+        ourss.append(bench_ours(args.model, *common))
     name = os.path.basename(args.model)
     at = f" at depth {args.d}" if args.d else ""
-    print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}{at}, {args.r} reps\n")
+    kv = f"KV cache {args.ctk}/{args.ctv}"
+    print(f"model {name}, {args.t} threads, pp{args.p} / tg{args.n}{at}, {kv}, {args.r} reps\n")
     print("| | pp t/s | decode t/s | peak RSS MiB |")
     print("| --- | ---: | ---: | ---: |")
     for i, (ref, ours) in enumerate(zip(refs, ourss, strict=True)):
