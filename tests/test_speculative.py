@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from freetoken.cli import main
+from freetoken.engine.options import EngineOptions
 from freetoken.engine.spec_options import SpecOptions
 from freetoken.engine.speculative import verify_tokens
 from freetoken.errors import FileAccessError, InvalidInputError
@@ -139,6 +140,28 @@ def test_draft_model_greedy_equals_plain(files: dict[str, Path]) -> None:
         # Drafts kept and drafts rejected: the rewind ran inside verify steps.
         assert 0 < stats.accepted < stats.drafted
         assert any(k > 2 for k in stats.steps)
+
+
+@pytest.mark.parametrize("kind", ["draft-mtp", "draft-simple"])
+def test_half_caches_for_drafts_too(kind: str, files: dict[str, Path]) -> None:
+    """``-ctk/-ctv f16`` keep the MTP head's and the draft model's keys and values in half
+    precision too, and speculative greedy still equals plain greedy on half caches."""
+    half = EngineOptions(device="cpu", cache_type_k="f16", cache_type_v="f16")
+    if kind == "draft-mtp":
+        path, opts = files["qwen35moe-mtp"], SpecOptions(spec_type="draft-mtp", n_max=3)
+    else:
+        path, opts = files["target"], SpecOptions(draft_model=str(files["draft"]), n_max=4)
+    plain = LLM(path, n_ctx=512, engine=half)
+    spec = LLM(path, n_ctx=512, engine=half, spec=opts)
+    assert spec.drafters is not None
+    drafter = spec.drafters(64)
+    cache = drafter.cache  # type: ignore[attr-defined]
+    assert all(t.dtype == torch.float16 for t in cache.k + cache.v)
+    for prompt in PROMPTS.values():
+        want = _greedy(plain, prompt)
+        _assert_same_tokens(plain, prompt, want, _greedy(spec, prompt))
+        stats = spec.last_stats.spec
+        assert stats is not None and stats.drafted > 0
 
 
 def test_auto_draft_length_greedy_equals_plain(files: dict[str, Path]) -> None:

@@ -181,6 +181,7 @@ class LLM:
             draft_gguf = GGUFFile(self.spec.draft_model, mmap=engine.mmap)
             check_draft_vocab(self.gguf, draft_gguf)
             self.draft = load_model(draft_gguf, None, moe_threads, moe_shared=shared)
+            self.draft.kv_dtypes = engine.kv_dtypes
             # The draft model runs on the CPU whatever the target's placement.
             if engine.repack:
                 repack(quantized_weights(self.draft), draft_gguf)

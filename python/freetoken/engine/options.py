@@ -267,7 +267,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             name,
             choices=CACHE_TYPES,
             default="f32",
-            help=f"the KV cache's {what}: f32 or f16 (half the memory; the CPU engine)",
+            help=f"the KV caches' {what} (the model's, an MTP head's, a draft model's): f32 "
+            "or f16 (half the memory; the CPU engine)",
         )
 
     g.add_argument(

@@ -65,9 +65,12 @@ class MtpHead:
         self.block = model.mtp_block(gguf, i)
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        """An empty cache of the head's attention for one sequence, on the head's device."""
+        """An empty cache of the head's attention for one sequence, on the head's device, of
+        the model's key and value types."""
         gpu = self.device.type == "cuda"
-        return KVCache(1, n_ctx, *self.model.mtp_kv_shape(), device=self.device, v_transposed=gpu)
+        shape = self.model.mtp_kv_shape()
+        dtypes = self.model.kv_dtypes
+        return KVCache(1, n_ctx, *shape, dtypes=dtypes, device=self.device, v_transposed=gpu)
 
     @torch.inference_mode()
     def forward(
