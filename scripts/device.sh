@@ -445,8 +445,13 @@ bench_streams() {
     if [ "${FT_STREAMS_BENCH_BW:-1}" != 0 ]; then
         python3 -m freetoken bench-bw -m "$MODEL" --seconds 1 2>&1 | tee "$OUT/bench_bw$tag.md"
     fi
-    python3 benches/bench_server_streams.py -m "$MODEL" \
-        --llama-server "$FT_BUILD/bin/llama-server" --streams "${FT_STREAMS:-4,16,32}" -n 64 \
+    local llama=(--llama-server "$FT_BUILD/bin/llama-server")
+    if [ ! -x "$FT_BUILD/bin/llama-server" ]; then
+        log "no llama-server in $FT_BUILD (FT_TOOLS=0): freetoken's rows only"
+        llama=()
+    fi
+    python3 benches/bench_server_streams.py -m "$MODEL" "${llama[@]}" \
+        --streams "${FT_STREAMS:-4,16,32}" -n 64 \
         --rounds "${FT_STREAMS_ROUNDS:-3}" --prompt-tokens "${FT_PROMPT_TOKENS:-4096}" \
         --prompt-streams "${FT_PROMPT_STREAMS:-4}" -t "$(nproc)" \
         "--freetoken-args=--moe-strategy hybrid --moe-cache-mib ${FT_CACHE_MIB:-$cache} -b 2048 ${FT_STREAMS_ARGS:-}" \
