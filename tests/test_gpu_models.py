@@ -20,7 +20,7 @@ run both ways (``quant``: ggml-cuda MMVQ/MMQ; ``bf16``: cuBLAS) on one model.
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +333,34 @@ def test_batched_decode_matches_cpu(name: str, strategy: str, model_files: dict[
         _check(name, f"{strategy} batched decode {prompt!r}", ref, out)
 
 
+def _decoded_together(
+    llm: LLM,
+    seqs: list[list[int]],
+    pick: Sequence[int],
+    between: Callable[[], object] | None = None,
+) -> tuple[list[KVCache], list[np.ndarray]]:
+    """The sequences ``pick`` (indices into ``seqs``, repeats allowed), each prompt run alone
+    on a cache of its own, then one token of every sequence a step, all in one batch, until
+    the shortest ends (``between()`` runs in between). Returns the caches and each
+    sequence's logits from its prompt's last position on."""
+    model = llm.model
+    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
+    caches = [model.new_cache(len(seqs[i])) for i in pick]
+    outs = [
+        [model.forward(seqs[i][: firsts[i] + 1], c).numpy()]
+        for i, c in zip(pick, caches, strict=True)
+    ]
+    if between is not None:
+        between()
+    for k in range(1, min(len(seqs[i]) - 1 - firsts[i] for i in pick)):
+        rows = model.forward_batch(
+            [([seqs[i][firsts[i] + k]], c) for i, c in zip(pick, caches, strict=True)]
+        )
+        for out, row in zip(outs, rows, strict=True):
+            out.append(row.numpy())
+    return caches, [np.stack(o) for o in outs]
+
+
 def test_a_batch_past_sixteen_sequences_is_one_graph(model_files: dict[str, Path]) -> None:
     """24 sequences decoding together (a server's -np 32) settle into one captured step of 24
     caches, and each sequence's logits still match the CPU's."""
@@ -341,23 +369,12 @@ def test_a_batch_past_sixteen_sequences_is_one_graph(model_files: dict[str, Path
     llm = _gpu_llm(path, "gpu", "quant")
     model = llm.model
     assert model.graphs is not None
-    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
     pick = [i % len(PROMPTS) for i in range(24)]
-    caches = [model.new_cache(len(seqs[i])) for i in pick]
-    outs = [
-        [model.forward(seqs[i][: firsts[i] + 1], c).numpy()]
-        for i, c in zip(pick, caches, strict=True)
-    ]
-    for k in range(1, min(len(s) - 1 - f for s, f in zip(seqs, firsts, strict=True))):
-        rows = model.forward_batch(
-            [([seqs[i][firsts[i] + k]], c) for i, c in zip(pick, caches, strict=True)]
-        )
-        for out, row in zip(outs, rows, strict=True):
-            out.append(row.numpy())
+    _caches, outs = _decoded_together(llm, seqs, pick)
     assert any(len(key[0]) == 24 for key in model.graphs.graphs), "no 24-sequence graph ran"
     for j, (i, out) in enumerate(zip(pick, outs, strict=True)):
         ref = refs[i][: len(out)]
-        _check("qwen3moe", f"sequence {j} of 24 {PROMPTS[i]!r}", ref, np.stack(out))
+        _check("qwen3moe", f"sequence {j} of 24 {PROMPTS[i]!r}", ref, out)
 
 
 def test_graphs_of_one_shape_share_their_logits(model_files: dict[str, Path]) -> None:
@@ -369,27 +386,20 @@ def test_graphs_of_one_shape_share_their_logits(model_files: dict[str, Path]) ->
     llm = _gpu_llm(path, "gpu", "quant")
     model = llm.model
     assert model.graphs is not None
-    firsts = [len(llm.tokenize(p)) - 1 for p in PROMPTS]
-    pair = range(len(PROMPTS))
-    steps = min(len(seqs[i]) - 1 - firsts[i] for i in pair)
+    pair = list(range(len(PROMPTS)))
     logits_bytes = len(pair) * model.cfg.vocab_size * 4
-    kept, grown = [], []
+    kept, grown, marks = [], [], []
+
+    def in_use() -> int:
+        torch.cuda.synchronize(model.device)
+        return torch.cuda.memory_allocated(model.device)
+
     for n in range(3):
-        caches = [model.new_cache(len(seqs[i])) for i in pair]
-        outs = [
-            [model.forward(seqs[i][: firsts[i] + 1], c).numpy()]
-            for i, c in zip(pair, caches, strict=True)
-        ]
-        torch.cuda.synchronize(model.device)
-        before = torch.cuda.memory_allocated(model.device)
-        for k in range(1, steps):
-            rows = model.forward_batch([([seqs[i][firsts[i] + k]], caches[i]) for i in pair])
-            for out, row in zip(outs, rows, strict=True):
-                out.append(row.numpy())
-        torch.cuda.synchronize(model.device)
-        grown.append(torch.cuda.memory_allocated(model.device) - before)
+        # Memory in use after the set's prompts, then after its decode steps.
+        caches, outs = _decoded_together(llm, seqs, pair, lambda: marks.append(in_use()))
+        grown.append(in_use() - marks[-1])
         for i, out in zip(pair, outs, strict=True):
-            _check("qwen3moe", f"set {n} {PROMPTS[i]!r}", refs[i][: len(out)], np.stack(out))
+            _check("qwen3moe", f"set {n} {PROMPTS[i]!r}", refs[i][: len(out)], out)
         kept.append(caches)
     assert sum(len(key[0]) == len(pair) for key in model.graphs.graphs) == 3
     assert max(grown[1:]) < logits_bytes, (grown, logits_bytes)
