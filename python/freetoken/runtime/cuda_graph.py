@@ -404,7 +404,6 @@ class StagedGraphDecoder(GraphDecoder):
         # advanced put back, then each stage captured on its side stream.
         restores = [c.checkpoint() for c in caches]
         tokens = self._static(sum(lengths))[0]
-        x = tokens
         for _ in range(2):
             x = tokens
             for k, (st, stream) in enumerate(zip(self.stages, self.streams, strict=True)):

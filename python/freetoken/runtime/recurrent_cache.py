@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from freetoken.errors import InvalidInputError
+from freetoken.runtime import gpu
 from freetoken.runtime.kv_cache import KVCache
 
 __all__ = ["MAX_SNAPSHOTS", "HybridCache"]
@@ -31,16 +32,12 @@ __all__ = ["MAX_SNAPSHOTS", "HybridCache"]
 MAX_SNAPSHOTS = 4
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a state in host memory (a snapshot: device memory holds the live states
-    only, as llama.cpp keeps its context checkpoints in host memory); from a GPU into
-    page-locked memory, without waiting (the copy is ordered before any later write of the
-    state on the stream, and before :meth:`HybridCache._load` reads it back)."""
-    if t.device.type == "cpu":
-        return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a state in host memory: device memory holds the live states only, as
+    llama.cpp keeps its context checkpoints in host memory. From a GPU the copy is not
+    waited for: it comes before any later write of the state on its stream, and before
+    :meth:`HybridCache._load` reads it back."""
+    return t.clone() if t.device.type == "cpu" else gpu.to_host(t, wait=False)
 
 
 class HybridCache(KVCache):
@@ -145,8 +142,8 @@ class HybridCache(KVCache):
         if n_new > 1 and self.max_snapshots > 0:
             self._snapshots.pop(self.length, None)
             self._snapshots[self.length] = (
-                [_to_host(c) for c in self.conv],
-                [_to_host(s) for s in self.ssm],
+                [_snapshot(c) for c in self.conv],
+                [_snapshot(s) for s in self.ssm],
             )
             while len(self._snapshots) > self.max_snapshots:
                 del self._snapshots[next(iter(self._snapshots))]
